@@ -1,0 +1,132 @@
+//! Process wiring: open the store, apply migrations, upsert configured destinations, then
+//! run the API and/or a dispatcher until shutdown. `main` and the tests both come here.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{self, ApiState};
+use crate::config::{redact, Config};
+use crate::dispatcher::Dispatcher;
+use crate::metrics::Metrics;
+use crate::store::{Store, StoreOptions};
+
+/// Which parts of Sluice a process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Roles {
+    /// Serve the HTTP API.
+    pub api: bool,
+    /// Run a dispatcher.
+    pub dispatcher: bool,
+}
+
+impl Roles {
+    /// `sluice serve`: API and dispatcher in one process.
+    pub const SERVE: Roles = Roles {
+        api: true,
+        dispatcher: true,
+    };
+    /// `sluice worker`: dispatcher only.
+    pub const WORKER: Roles = Roles {
+        api: false,
+        dispatcher: true,
+    };
+}
+
+/// Opens the configured store without touching the schema.
+pub fn open_store(config: &Config) -> anyhow::Result<Store> {
+    let url = config.database_url.as_deref().context(
+        "no database configured: set SLUICE_DATABASE_URL (or DATABASE_URL, or database_url \
+         in config.toml) to a postgres:// URL",
+    )?;
+    let opts = StoreOptions {
+        max_connections: config.database.max_connections,
+        acquire_timeout: config.acquire_timeout(),
+    };
+    Store::connect_lazy(url, &opts)
+        .with_context(|| format!("invalid database URL {}", redact(url)))
+}
+
+/// Applies migrations and upserts the destinations declared in config, retrying while
+/// the database is unreachable (a service often starts before its database).
+pub async fn prepare(config: &Config, store: &Store, shutdown: &CancellationToken) -> anyhow::Result<()> {
+    let specs = config.destination_specs()?;
+    let mut delay = Duration::from_millis(200);
+    loop {
+        let attempt = async {
+            store.migrate().await?;
+            for (name, spec) in &specs {
+                store.upsert_destination(name, spec).await?;
+            }
+            Ok::<_, crate::store::Error>(())
+        };
+        match attempt.await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_unavailable() => {
+                tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "database unavailable at start; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => anyhow::bail!("shutdown requested before the database became available"),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e).context("preparing the database"),
+        }
+    }
+}
+
+/// Runs the roles until `shutdown` fires. With `listener = None` the API binds
+/// `config.listen`; tests pass a listener on port 0.
+pub async fn run(
+    config: Config,
+    roles: Roles,
+    listener: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let store = open_store(&config)?;
+    tracing::info!(database = %redact(config.database_url.as_deref().unwrap_or_default()), "using PostgreSQL");
+    prepare(&config, &store, &shutdown).await?;
+    let metrics = Arc::new(Metrics::default());
+    let mut tasks = tokio::task::JoinSet::new();
+
+    if roles.api {
+        let listener = match listener {
+            Some(l) => l,
+            None => TcpListener::bind(config.listen)
+                .await
+                .with_context(|| format!("cannot listen on {}", config.listen))?,
+        };
+        let addr = listener.local_addr()?;
+        tracing::info!(%addr, "listening on http://{addr}");
+        let state = ApiState {
+            store: store.clone(),
+            config: Arc::new(config.api.clone()),
+            metrics: metrics.clone(),
+        };
+        let token = shutdown.child_token();
+        tasks.spawn(async move {
+            api::serve(listener, state, token)
+                .await
+                .context("API server failed")
+        });
+    }
+    if roles.dispatcher {
+        let dispatcher = Dispatcher::new(store.clone(), config.dispatcher.clone(), metrics.clone());
+        let token = shutdown.child_token();
+        tasks.spawn(async move { dispatcher.run(token).await });
+    }
+    let mut result = Ok(());
+    while let Some(joined) = tasks.join_next().await {
+        let r = joined.context("task panicked").and_then(|r| r);
+        if let Err(e) = r {
+            tracing::error!(error = %format!("{e:#}"), "stopping");
+            shutdown.cancel();
+            result = Err(e);
+        }
+    }
+    store.close().await;
+    result
+}

@@ -1,0 +1,329 @@
+//! The dispatcher: claims jobs with release slots, releases each at its slot, delivers it,
+//! and records the outcome.
+//!
+//! ```text
+//!            NOTIFY / completions / timer
+//!                       │ wake
+//!  ┌────────────────────▼─────────────────┐   tickets   ┌──────────────────────┐
+//!  │ claim loop: Store::claim(horizon)    │────────────▶│ release thread       │
+//!  │ one task per claimed job, waiting    │◀────────────│ sleep, spin, Go(t)   │
+//!  └───────────────┬──────────────────────┘   verdict   └──────────────────────┘
+//!                  │ Go: Deliverer::send → retry::classify
+//!                  ▼
+//!          completer: Store::complete (batched)
+//! ```
+//!
+//! Any number of dispatchers may run against one database: the destination row lock
+//! serialises claims per destination and its `next_slot` carries the rate between them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use uuid::Uuid;
+
+use crate::config::DispatcherConfig;
+use crate::delivery::Deliverer;
+use crate::metrics::Metrics;
+use crate::rate::Micros;
+use crate::store::{ClaimParams, ClaimedJob, Completion, Outcome, Store, WAKE_CHANNEL};
+
+mod clock;
+mod completer;
+pub mod release;
+pub mod retry;
+
+pub use clock::DbClock;
+use release::{Release, ReleaseTimer, Ticket};
+
+/// A release as the dispatcher saw it, for observers (tests, benchmarks).
+#[derive(Debug, Clone)]
+pub struct ReleaseEvent {
+    /// The job.
+    pub job_id: Uuid,
+    /// Its destination.
+    pub destination: Arc<str>,
+    /// The slot it was claimed for (database clock).
+    pub slot_us: Micros,
+    /// When the release thread let it go.
+    pub at: Instant,
+}
+
+/// Destinations with intervals at least this long are released by a plain sleep (about
+/// 0.1–0.3 ms late) instead of sleep-then-spin: the spin's CPU buys nothing measurable.
+const SPIN_BELOW_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often the database/local clock mapping is refreshed.
+const CLOCK_RESYNC: Duration = Duration::from_secs(15);
+
+/// How late a release may be before it is abandoned: 2% of the interval, between 20 µs
+/// and 1 ms. See [`release`] for why late releases are dropped rather than sent.
+pub fn late_limit(interval_us: i64) -> Duration {
+    Duration::from_micros((interval_us / 50).clamp(20, 1_000) as u64)
+}
+
+/// A dispatcher bound to a store. Build with [`Dispatcher::new`], start with
+/// [`Dispatcher::run`].
+pub struct Dispatcher {
+    store: Store,
+    config: DispatcherConfig,
+    worker_id: Uuid,
+    metrics: Arc<Metrics>,
+    observer: Option<mpsc::UnboundedSender<ReleaseEvent>>,
+}
+
+impl Dispatcher {
+    /// A dispatcher with a fresh worker id.
+    pub fn new(store: Store, config: DispatcherConfig, metrics: Arc<Metrics>) -> Self {
+        Self {
+            store,
+            config,
+            worker_id: Uuid::now_v7(),
+            metrics,
+            observer: None,
+        }
+    }
+
+    /// Reports every release to `tx` (tests and benchmarks measure spacing with it).
+    pub fn with_observer(mut self, tx: mpsc::UnboundedSender<ReleaseEvent>) -> Self {
+        self.observer = Some(tx);
+        self
+    }
+
+    /// This dispatcher's id, recorded on the jobs it claims.
+    pub fn worker_id(&self) -> Uuid {
+        self.worker_id
+    }
+
+    /// Runs until `shutdown` is cancelled, then returns unreleased claims to the queue
+    /// and waits for in-flight requests.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let cfg = &self.config;
+        let deliverer = Deliverer::new()?;
+        let timer = ReleaseTimer::start(Duration::from_micros(cfg.spin_us))?;
+        let wake = Arc::new(Notify::new());
+        let background = TaskTracker::new();
+        let jobs = TaskTracker::new();
+        let stop_background = CancellationToken::new();
+
+        background.spawn(listen(
+            self.store.clone(),
+            wake.clone(),
+            stop_background.clone(),
+        ));
+        let (done_tx, done_rx) = mpsc::unbounded_channel::<Completion>();
+        background.spawn(completer::run(
+            self.store.clone(),
+            self.worker_id,
+            done_rx,
+            cfg.completion_batch,
+            wake.clone(),
+            self.metrics.clone(),
+            stop_background.clone(),
+        ));
+
+        let permits = Arc::new(Semaphore::new(cfg.max_concurrency));
+        let horizon = Duration::from_millis(cfg.lookahead_ms);
+        let poll = Duration::from_millis(cfg.poll_interval_ms);
+        let params = ClaimParams {
+            worker_id: self.worker_id,
+            horizon_us: horizon.as_micros() as i64,
+            max_destinations: i64::from(cfg.claim_destinations),
+            max_jobs: 0,
+            max_per_destination: cfg.claim_per_destination as usize,
+            lease_margin_us: (cfg.lease_margin_ms as i64).saturating_mul(1_000),
+        };
+        let mut clock: Option<DbClock> = None;
+        let mut failures = 0u32;
+        let mut last_claim = Instant::now() - horizon;
+        tracing::info!(worker_id = %self.worker_id, "dispatcher started");
+
+        while !shutdown.is_cancelled() {
+            let step = async {
+                let c = match clock {
+                    Some(c) if c.taken.elapsed() < CLOCK_RESYNC => c,
+                    _ => {
+                        let c = DbClock::sync(&self.store).await?;
+                        clock = Some(c);
+                        c
+                    }
+                };
+                let free = permits.available_permits();
+                if free > 0 {
+                    let claim = self
+                        .store
+                        .claim(&ClaimParams {
+                            max_jobs: free,
+                            ..params.clone()
+                        })
+                        .await?;
+                    last_claim = Instant::now();
+                    Metrics::inc(&self.metrics.claims);
+                    for job in claim.jobs {
+                        let Ok(permit) = permits.clone().try_acquire_owned() else {
+                            // Cannot happen (we claimed at most `free`); return it if it does.
+                            let _ = done_tx.send(Completion {
+                                job: Arc::new(job),
+                                outcome: Outcome::Returned,
+                            });
+                            continue;
+                        };
+                        self.start_job(job, &c, &timer, &deliverer, &done_tx, permit, &jobs);
+                    }
+                }
+                let next_due = self.store.next_due().await?;
+                Ok::<_, crate::store::Error>((c, next_due))
+            };
+            let wake_at = match step.await {
+                Ok((c, next_due)) => {
+                    failures = 0;
+                    let now = Instant::now();
+                    match next_due {
+                        // Claim again when the next slot enters the horizon, but not more
+                        // often than every half horizon while busy: each claim then
+                        // covers many slots of fast destinations.
+                        Some(due) => c
+                            .instant_at(due.saturating_sub(params.horizon_us))
+                            .max(last_claim + horizon / 2)
+                            .min(now + poll),
+                        None => now + poll,
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    let backoff = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+                    if failures == 1 || failures % 20 == 0 {
+                        tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "dispatcher cannot reach the database");
+                    }
+                    Instant::now() + backoff.min(poll.max(Duration::from_secs(1)))
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep_until(wake_at.into()) => {}
+            }
+        }
+
+        // Shutdown: unreleased claims go back at once; in-flight requests finish.
+        tracing::info!(worker_id = %self.worker_id, "dispatcher stopping");
+        timer.revoke_all();
+        jobs.close();
+        jobs.wait().await;
+        drop(done_tx);
+        stop_background.cancel();
+        background.close();
+        background.wait().await;
+        tracing::info!(worker_id = %self.worker_id, "dispatcher stopped");
+        Ok(())
+    }
+
+    #[expect(clippy::too_many_arguments, reason = "internal plumbing of the claim loop")]
+    fn start_job(
+        &self,
+        job: ClaimedJob,
+        clock: &DbClock,
+        timer: &ReleaseTimer,
+        deliverer: &Deliverer,
+        done_tx: &mpsc::UnboundedSender<Completion>,
+        permit: tokio::sync::OwnedSemaphorePermit,
+        tracker: &TaskTracker,
+    ) {
+        let interval = Duration::from_micros(job.interval_us.max(1) as u64);
+        let (reply, verdict) = tokio::sync::oneshot::channel();
+        timer.schedule(Ticket {
+            slot: clock.instant_at(job.slot_us),
+            destination_id: job.destination_id,
+            interval,
+            late_limit: late_limit(job.interval_us),
+            spin: interval < SPIN_BELOW_INTERVAL,
+            reply,
+        });
+        let job = Arc::new(job);
+        let deliverer = deliverer.clone();
+        let done_tx = done_tx.clone();
+        let metrics = self.metrics.clone();
+        let observer = self.observer.clone();
+        let clock = *clock;
+        tracker.spawn(async move {
+            let _permit = permit;
+            let outcome = match verdict.await {
+                Ok(Release::Go(at)) => {
+                    Metrics::inc(&metrics.released);
+                    if let Some(obs) = &observer {
+                        let _ = obs.send(ReleaseEvent {
+                            job_id: job.id,
+                            destination: job.destination.clone(),
+                            slot_us: job.slot_us,
+                            at,
+                        });
+                    }
+                    if job.deadline_us.is_some_and(|d| d <= clock.us_at(at)) {
+                        Outcome::Expired
+                    } else {
+                        retry::classify(&job, deliverer.send(&job).await)
+                    }
+                }
+                Ok(Release::Late(by)) => {
+                    Metrics::inc(&metrics.late);
+                    tracing::debug!(job = %job.id, late_us = by.as_micros() as u64, "release too late; returning the job");
+                    Outcome::Returned
+                }
+                Ok(Release::Revoked) | Err(_) => Outcome::Returned,
+            };
+            match &outcome {
+                Outcome::Succeeded { .. } => Metrics::inc(&metrics.succeeded),
+                Outcome::Retry { .. } => Metrics::inc(&metrics.retried),
+                Outcome::Dead { .. } => Metrics::inc(&metrics.dead),
+                Outcome::Expired => Metrics::inc(&metrics.expired),
+                Outcome::Returned => Metrics::inc(&metrics.returned),
+            }
+            let _ = done_tx.send(Completion { job, outcome });
+        });
+    }
+}
+
+/// Forwards `NOTIFY sluice_wake` to the claim loop. On a lost connection it wakes the
+/// loop anyway (notifications may have been missed) and lets sqlx reconnect.
+async fn listen(store: Store, wake: Arc<Notify>, stop: CancellationToken) {
+    let mut failures = 0u32;
+    while !stop.is_cancelled() {
+        let mut listener = match sqlx::postgres::PgListener::connect_with(store.pool()).await {
+            Ok(l) => l,
+            Err(e) => {
+                failures += 1;
+                if failures == 1 {
+                    tracing::warn!(error = %e, "cannot LISTEN; relying on polling until the database is back");
+                }
+                let backoff = Duration::from_millis(200 * u64::from(failures.min(10)));
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => continue,
+                }
+            }
+        };
+        if let Err(e) = listener.listen(WAKE_CHANNEL).await {
+            tracing::warn!(error = %e, "LISTEN failed");
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+            }
+        }
+        failures = 0;
+        wake.notify_one();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                msg = listener.try_recv() => match msg {
+                    Ok(Some(_)) => wake.notify_one(),
+                    // Connection lost: sqlx reconnects on the next call; we may have
+                    // missed notifications, so look for work now.
+                    Ok(None) => wake.notify_one(),
+                    Err(_) => { wake.notify_one(); break; }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,300 @@
+//! The release timer: one OS thread that releases claimed jobs at their slots.
+//!
+//! tokio's timer wheel has 1 ms resolution and fires about a millisecond late, which at
+//! 50/s already costs 6% of the rate and at 5,000/s most of it
+//! (`../shared/reference/timer-precision.md`). This thread instead sleeps until
+//! `spin_margin` before the earliest slot, then spins to it, releasing within a few
+//! microseconds. Destinations with long intervals (where a fraction of a millisecond does
+//! not matter) skip the spin to save CPU.
+//!
+//! Two rules keep spacing exact:
+//! * Within this process a destination's release is never earlier than its previous
+//!   *actual* release plus one interval, so lateness on one release can never shorten the
+//!   next gap. Targets stay on the slot grid, so lateness does not accumulate.
+//! * A release later than its slot by more than the ticket's `late_limit` is abandoned
+//!   (the job goes back to the queue): another dispatcher may own the next slot and will
+//!   release on time, so a late release here could land closer than one interval to it.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+/// A job waiting for its slot.
+#[derive(Debug)]
+pub struct Ticket {
+    /// The slot, on the local clock.
+    pub slot: Instant,
+    /// Destination whose spacing applies.
+    pub destination_id: i64,
+    /// Minimum gap between two releases of the destination.
+    pub interval: Duration,
+    /// How late a release may be before it is abandoned.
+    pub late_limit: Duration,
+    /// Whether to spin for the last stretch (short intervals) or just sleep.
+    pub spin: bool,
+    /// Where the verdict goes.
+    pub reply: oneshot::Sender<Release>,
+}
+
+/// The timer's verdict for a ticket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// Go now; the instant is the release time.
+    Go(Instant),
+    /// The timer fired this much after the slot, beyond the ticket's limit: not released.
+    Late(Duration),
+    /// Withdrawn before its slot (shutdown or a throttle shift).
+    Revoked,
+}
+
+enum Command {
+    Schedule(Ticket),
+    /// Withdraw tickets of a destination whose slot is before `before` (all when `None`).
+    Revoke {
+        destination_id: Option<i64>,
+        before: Option<Instant>,
+    },
+}
+
+/// Handle to the release thread. Dropping it revokes every pending ticket.
+#[derive(Debug)]
+pub struct ReleaseTimer {
+    tx: mpsc::Sender<Command>,
+}
+
+impl ReleaseTimer {
+    /// Starts the thread.
+    pub fn start(spin_margin: Duration) -> std::io::Result<ReleaseTimer> {
+        let (tx, rx) = mpsc::channel();
+        thread::Builder::new()
+            .name("sluice-release".into())
+            .spawn(move || Worker::new(spin_margin).run(rx))?;
+        Ok(ReleaseTimer { tx })
+    }
+
+    /// Schedules a ticket. If the thread is gone the ticket's receiver sees a closed
+    /// channel, which callers treat like a revocation.
+    pub fn schedule(&self, ticket: Ticket) {
+        let _ = self.tx.send(Command::Schedule(ticket));
+    }
+
+    /// Withdraws a destination's tickets with slots before `before`.
+    pub fn revoke(&self, destination_id: i64, before: Instant) {
+        let _ = self.tx.send(Command::Revoke {
+            destination_id: Some(destination_id),
+            before: Some(before),
+        });
+    }
+
+    /// Withdraws every pending ticket.
+    pub fn revoke_all(&self) {
+        let _ = self.tx.send(Command::Revoke {
+            destination_id: None,
+            before: None,
+        });
+    }
+}
+
+struct Worker {
+    spin_margin: Duration,
+    heap: BinaryHeap<Reverse<(Instant, u64)>>,
+    tickets: HashMap<u64, Ticket>,
+    last_release: HashMap<i64, Instant>,
+    seq: u64,
+}
+
+impl Worker {
+    fn new(spin_margin: Duration) -> Self {
+        Worker {
+            spin_margin,
+            heap: BinaryHeap::new(),
+            tickets: HashMap::new(),
+            last_release: HashMap::new(),
+            seq: 0,
+        }
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<Command>) {
+        loop {
+            // Take everything already sent, without blocking.
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return self.revoke(None, None),
+                }
+            }
+            let Some(&Reverse((key, id))) = self.heap.peek() else {
+                match rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => return,
+                }
+                continue;
+            };
+            let Some(ticket) = self.tickets.get(&id) else {
+                self.heap.pop(); // revoked
+                continue;
+            };
+            // Never closer than one interval to this destination's previous release.
+            let target = match self.last_release.get(&ticket.destination_id) {
+                Some(&prev) => key.max(prev + ticket.interval),
+                None => key,
+            };
+            if target > key {
+                self.heap.pop();
+                self.heap.push(Reverse((target, id)));
+                continue;
+            }
+            let wake = if ticket.spin {
+                target.checked_sub(self.spin_margin).unwrap_or(target)
+            } else {
+                target
+            };
+            let now = Instant::now();
+            if now < wake {
+                match rx.recv_timeout(wake - now) {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return self.revoke(None, None),
+                }
+                continue;
+            }
+            while Instant::now() < target {
+                std::hint::spin_loop();
+            }
+            self.heap.pop();
+            if let Some(ticket) = self.tickets.remove(&id) {
+                self.fire(ticket);
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Schedule(t) => {
+                self.seq += 1;
+                self.heap.push(Reverse((t.slot, self.seq)));
+                self.tickets.insert(self.seq, t);
+            }
+            Command::Revoke {
+                destination_id,
+                before,
+            } => self.revoke(destination_id, before),
+        }
+    }
+
+    fn fire(&mut self, ticket: Ticket) {
+        let at = Instant::now();
+        let late = at.saturating_duration_since(ticket.slot);
+        if late > ticket.late_limit {
+            let _ = ticket.reply.send(Release::Late(late));
+            return;
+        }
+        if ticket.reply.send(Release::Go(at)).is_ok() {
+            self.last_release.insert(ticket.destination_id, at);
+        }
+        // Forget destinations idle for a while so the map does not grow for ever.
+        if self.last_release.len() > 50_000 {
+            self.last_release
+                .retain(|_, t| at.saturating_duration_since(*t) < Duration::from_secs(3_600));
+        }
+    }
+
+    fn revoke(&mut self, destination_id: Option<i64>, before: Option<Instant>) {
+        let ids: Vec<u64> = self
+            .tickets
+            .iter()
+            .filter(|(_, t)| destination_id.is_none_or(|d| d == t.destination_id))
+            .filter(|(_, t)| before.is_none_or(|b| t.slot < b))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            if let Some(t) = self.tickets.remove(&id) {
+                let _ = t.reply.send(Release::Revoked);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ticket(
+        slot: Instant,
+        dest: i64,
+        interval_us: u64,
+    ) -> (Ticket, oneshot::Receiver<Release>) {
+        let (reply, rx) = oneshot::channel();
+        (
+            Ticket {
+                slot,
+                destination_id: dest,
+                interval: Duration::from_micros(interval_us),
+                late_limit: Duration::from_millis(50),
+                spin: true,
+                reply,
+            },
+            rx,
+        )
+    }
+
+    #[tokio::test]
+    async fn releases_on_the_grid_and_never_closer_than_the_interval() {
+        let timer = ReleaseTimer::start(Duration::from_micros(300)).expect("thread");
+        let start = Instant::now() + Duration::from_millis(20);
+        let mut rxs = Vec::new();
+        // Two tickets deliberately share a slot: the second must wait an interval.
+        for slot in [0u64, 5_000, 5_000, 15_000, 20_000] {
+            let (t, rx) = ticket(start + Duration::from_micros(slot), 1, 5_000);
+            timer.schedule(t);
+            rxs.push(rx);
+        }
+        let mut at = Vec::new();
+        for rx in rxs {
+            match rx.await.expect("reply") {
+                Release::Go(t) => at.push(t),
+                other => panic!("{other:?}"),
+            }
+        }
+        for pair in at.windows(2) {
+            assert!(pair[1] - pair[0] >= Duration::from_micros(5_000), "{pair:?}");
+        }
+        assert!(at[0] >= start);
+        // The shared slot pushed the third release to 10 ms; later ones stay on the grid.
+        assert!(at[3] - start < Duration::from_micros(15_000 + 2_000));
+    }
+
+    #[tokio::test]
+    async fn revoke_withdraws_pending_tickets() {
+        let timer = ReleaseTimer::start(Duration::from_micros(300)).expect("thread");
+        let far = Instant::now() + Duration::from_secs(60);
+        let (a, rx_a) = ticket(far, 1, 1_000);
+        let (b, rx_b) = ticket(far, 2, 1_000);
+        timer.schedule(a);
+        timer.schedule(b);
+        timer.revoke(1, far + Duration::from_secs(1));
+        assert_eq!(rx_a.await.expect("reply"), Release::Revoked);
+        timer.revoke_all();
+        assert_eq!(rx_b.await.expect("reply"), Release::Revoked);
+    }
+
+    #[tokio::test]
+    async fn late_releases_are_abandoned() {
+        let timer = ReleaseTimer::start(Duration::from_micros(300)).expect("thread");
+        let (reply, rx) = oneshot::channel();
+        timer.schedule(Ticket {
+            slot: Instant::now() - Duration::from_millis(10),
+            destination_id: 1,
+            interval: Duration::from_millis(1),
+            late_limit: Duration::from_millis(1),
+            spin: false,
+            reply,
+        });
+        assert!(matches!(rx.await.expect("reply"), Release::Late(_)));
+    }
+}

@@ -1,0 +1,303 @@
+//! Admission: the enqueue path. Capacity is checked and the jobs inserted under the
+//! destination's row lock, in one transaction, so waiting jobs never exceed capacity
+//! whatever the concurrency (DESIGN invariant 3), and a repeated idempotency key finds the
+//! earlier job even when the two requests race.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+use sqlx::types::Json;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::destinations::notify_wake;
+use super::{Error, Result, Store};
+use crate::destination::{parse_job_url, url_allowed, FieldError};
+use crate::job::{JobState, NewJob};
+use crate::rate::{Gcra, Micros};
+
+/// One job's admission result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Admitted {
+    /// The job's id (the existing one for a repeated idempotency key).
+    pub id: Uuid,
+    /// The job's current state.
+    pub state: JobState,
+    /// `false` when an earlier job with the same idempotency key was returned instead.
+    pub created: bool,
+}
+
+/// Why an enqueue admitted nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum EnqueueError {
+    /// The destination has `capacity` jobs admitted and unfinished already.
+    #[error("destination {name:?} is full: {backlog} of {capacity} jobs waiting, {requested} more requested; retry in about {retry_after_secs} s")]
+    Full {
+        /// Destination.
+        name: String,
+        /// Its capacity.
+        capacity: i64,
+        /// Jobs admitted and unfinished.
+        backlog: i64,
+        /// Jobs this request would have added.
+        requested: usize,
+        /// Whole seconds until enough room should have drained at the destination's rate.
+        retry_after_secs: u64,
+    },
+    /// Anything else: unknown destination, bad job, database failure.
+    #[error(transparent)]
+    Store(#[from] Error),
+}
+
+impl From<sqlx::Error> for EnqueueError {
+    fn from(e: sqlx::Error) -> Self {
+        EnqueueError::Store(Error::Database(e))
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct LockedDestination {
+    id: i64,
+    capacity: i64,
+    backlog: i64,
+    next_slot_us: i64,
+    interval_us: i64,
+    burst: i32,
+    max_attempts: i32,
+    allowed_base_urls: Vec<String>,
+    due_at_us: Option<i64>,
+    now_us: i64,
+}
+
+impl Store {
+    /// Admits `jobs` to destination `name`, all or nothing, in its own transaction.
+    pub async fn enqueue(
+        &self,
+        name: &str,
+        jobs: &[NewJob],
+    ) -> Result<Vec<Admitted>, EnqueueError> {
+        let mut tx = self.pool.begin().await?;
+        let result = enqueue_in(&mut tx, name, jobs).await;
+        match &result {
+            // A rejection still commits: it counted the rejection and wrote nothing else.
+            Ok(_) | Err(EnqueueError::Full { .. }) => tx.commit().await?,
+            Err(_) => tx.rollback().await?,
+        }
+        result
+    }
+}
+
+/// Admits `jobs` inside the caller's transaction: the jobs exist only if it commits.
+///
+/// Holds the destination's row lock until the transaction ends, which serialises
+/// admissions to that destination: keep the transaction short.
+pub async fn enqueue_in(
+    conn: &mut PgConnection,
+    name: &str,
+    jobs: &[NewJob],
+) -> Result<Vec<Admitted>, EnqueueError> {
+    let dest: LockedDestination = sqlx::query_as(
+        "SELECT id, capacity, backlog, next_slot_us, interval_us, burst, max_attempts,
+                allowed_base_urls, due_at_us, sluice_now_us() AS now_us
+           FROM sluice_destinations WHERE name = $1 FOR UPDATE",
+    )
+    .bind(name)
+    .fetch_optional(&mut *conn)
+    .await?
+    .ok_or_else(|| Error::UnknownDestination(name.to_owned()))?;
+
+    check_urls(jobs, &dest.allowed_base_urls)?;
+
+    // Idempotency: existing jobs with these keys, then repeats within this request.
+    let keys: Vec<&str> = jobs
+        .iter()
+        .filter_map(|j| j.idempotency_key.as_deref())
+        .collect();
+    let mut known: HashMap<String, (Uuid, JobState)> = HashMap::new();
+    if !keys.is_empty() {
+        let rows: Vec<(String, Uuid, String)> = sqlx::query_as(
+            "SELECT idempotency_key, id, state FROM sluice_jobs
+              WHERE destination_id = $1 AND idempotency_key = ANY($2)",
+        )
+        .bind(dest.id)
+        .bind(&keys)
+        .fetch_all(&mut *conn)
+        .await?;
+        for (key, id, state) in rows {
+            let state = state.parse().unwrap_or(JobState::Queued);
+            known.insert(key, (id, state));
+        }
+    }
+
+    let mut admitted = Vec::with_capacity(jobs.len());
+    let mut fresh: Vec<(Uuid, &NewJob)> = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        if let Some(key) = &job.idempotency_key {
+            if let Some(&(id, state)) = known.get(key) {
+                admitted.push(Admitted {
+                    id,
+                    state,
+                    created: false,
+                });
+                continue;
+            }
+        }
+        let id = Uuid::now_v7();
+        if let Some(key) = &job.idempotency_key {
+            known.insert(key.clone(), (id, JobState::Queued));
+        }
+        fresh.push((id, job));
+        admitted.push(Admitted {
+            id,
+            state: JobState::Queued,
+            created: true,
+        });
+    }
+    if fresh.is_empty() {
+        return Ok(admitted);
+    }
+
+    let requested = fresh.len() as i64;
+    if dest.backlog.saturating_add(requested) > dest.capacity {
+        sqlx::query(
+            "UPDATE sluice_destinations SET rejected_total = rejected_total + $2 WHERE id = $1",
+        )
+        .bind(dest.id)
+        .bind(requested)
+        .execute(&mut *conn)
+        .await?;
+        let gcra = Gcra {
+            interval_us: dest.interval_us,
+            burst: dest.burst.max(1) as u32,
+        };
+        let need = dest
+            .backlog
+            .saturating_add(requested)
+            .saturating_sub(dest.capacity);
+        let wait_us = gcra.drain_time_us(dest.next_slot_us, dest.now_us, need as u64);
+        return Err(EnqueueError::Full {
+            name: name.to_owned(),
+            capacity: dest.capacity,
+            backlog: dest.backlog,
+            requested: fresh.len(),
+            retry_after_secs: (wait_us.max(0) as u64).div_ceil(1_000_000).max(1),
+        });
+    }
+
+    insert_jobs(conn, &dest, &fresh).await?;
+
+    let earliest_run_at = fresh
+        .iter()
+        .map(|(_, j)| run_at(j, dest.now_us))
+        .min()
+        .unwrap_or(dest.now_us);
+    let new_due: Option<i64> = sqlx::query_scalar(
+        "UPDATE sluice_destinations
+            SET backlog = backlog + $2,
+                due_at_us = CASE
+                    WHEN max_in_flight IS NOT NULL AND in_flight >= max_in_flight THEN NULL
+                    ELSE least(due_at_us,
+                               greatest(next_slot_us - (burst - 1) * interval_us, $3))
+                END
+          WHERE id = $1
+      RETURNING due_at_us",
+    )
+    .bind(dest.id)
+    .bind(requested)
+    .bind(earliest_run_at)
+    .fetch_one(&mut *conn)
+    .await?;
+    // Wake dispatchers only when the destination became due sooner than they knew.
+    if new_due.is_some() && (dest.due_at_us.is_none() || new_due < dest.due_at_us) {
+        notify_wake(conn).await?;
+    }
+    Ok(admitted)
+}
+
+fn run_at(job: &NewJob, now: Micros) -> Micros {
+    job.not_before_us.map_or(now, |nb| nb.max(now))
+}
+
+fn check_urls(jobs: &[NewJob], allowed: &[String]) -> Result<()> {
+    if allowed.is_empty() {
+        return Ok(());
+    }
+    for (i, job) in jobs.iter().enumerate() {
+        let url = parse_job_url(&job.url).map_err(|m| {
+            Error::InvalidJob(FieldError {
+                field: field_name(jobs.len(), i),
+                message: m,
+            })
+        })?;
+        if !url_allowed(&url, allowed) {
+            return Err(Error::InvalidJob(FieldError {
+                field: field_name(jobs.len(), i),
+                message: format!(
+                    "{:?} is not under the destination's allowed_base_urls {allowed:?}",
+                    job.url
+                ),
+            }));
+        }
+    }
+    Ok(())
+}
+
+fn field_name(batch: usize, i: usize) -> String {
+    if batch == 1 {
+        "url".to_owned()
+    } else {
+        format!("jobs[{i}].url")
+    }
+}
+
+async fn insert_jobs(
+    conn: &mut PgConnection,
+    dest: &LockedDestination,
+    fresh: &[(Uuid, &NewJob)],
+) -> Result<()> {
+    let n = fresh.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut methods = Vec::with_capacity(n);
+    let mut urls = Vec::with_capacity(n);
+    let mut headers = Vec::with_capacity(n);
+    let mut bodies = Vec::with_capacity(n);
+    let mut keys = Vec::with_capacity(n);
+    let mut attempts = Vec::with_capacity(n);
+    let mut run_ats = Vec::with_capacity(n);
+    let mut deadlines = Vec::with_capacity(n);
+    for (id, job) in fresh {
+        ids.push(*id);
+        methods.push(job.method.as_str());
+        urls.push(job.url.as_str());
+        headers.push(Json(&job.headers));
+        bodies.push(job.body.as_deref());
+        keys.push(job.idempotency_key.as_deref());
+        attempts.push(job.max_attempts.unwrap_or(dest.max_attempts));
+        run_ats.push(run_at(job, dest.now_us));
+        deadlines.push(job.deadline_us);
+    }
+    sqlx::query(
+        "INSERT INTO sluice_jobs
+             (id, destination_id, state, method, url, headers, body, idempotency_key,
+              max_attempts, run_at_us, deadline_us, created_at_us, updated_at_us)
+         SELECT u.id, $1, 'queued', u.method, u.url, u.headers, u.body, u.key,
+                u.max_attempts, u.run_at, u.deadline, $2, $2
+           FROM unnest($3::uuid[], $4::text[], $5::text[], $6::jsonb[], $7::bytea[],
+                       $8::text[], $9::int[], $10::bigint[], $11::bigint[])
+             AS u(id, method, url, headers, body, key, max_attempts, run_at, deadline)",
+    )
+    .bind(dest.id)
+    .bind(dest.now_us)
+    .bind(&ids)
+    .bind(&methods)
+    .bind(&urls)
+    .bind(&headers)
+    .bind(&bodies)
+    .bind(&keys)
+    .bind(&attempts)
+    .bind(&run_ats)
+    .bind(&deadlines)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}

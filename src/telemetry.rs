@@ -1,0 +1,15 @@
+//! Logging setup: human-readable lines on stderr, filtered by `RUST_LOG`
+//! (default `info`, with sqlx's per-statement logs kept at `warn`).
+
+use tracing_subscriber::EnvFilter;
+
+/// Installs the global subscriber. Safe to call more than once (later calls are no-ops).
+pub fn init() {
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn,hyper=warn,reqwest=warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
