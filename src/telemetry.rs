@@ -1,6 +1,8 @@
 //! Logging setup: human-readable lines on stderr, filtered by `RUST_LOG`
 //! (default `info`, with sqlx's per-statement logs kept at `warn`).
 
+use std::io::IsTerminal as _;
+
 use tracing_subscriber::EnvFilter;
 
 /// Installs the global subscriber. Safe to call more than once (later calls are no-ops).
@@ -11,5 +13,6 @@ pub fn init() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
