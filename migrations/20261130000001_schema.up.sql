@@ -42,6 +42,9 @@ CREATE TABLE sluice_destinations (
     -- Jobs claimed and not yet finished (state running), for max_in_flight.
     in_flight         integer NOT NULL DEFAULT 0 CHECK (in_flight >= 0),
     rejected_total    bigint  NOT NULL DEFAULT 0,
+    -- The dispatcher that made the latest claim. A dispatcher that finds another one
+    -- here knows it shares the destination, and treats its late releases more strictly.
+    last_claimer      uuid,
     created_at_us     bigint  NOT NULL DEFAULT sluice_now_us(),
     updated_at_us     bigint  NOT NULL DEFAULT sluice_now_us()
 ) WITH (fillfactor = 50);

@@ -46,13 +46,16 @@ pub fn open_store(config: &Config) -> anyhow::Result<Store> {
         max_connections: config.database.max_connections,
         acquire_timeout: config.acquire_timeout(),
     };
-    Store::connect_lazy(url, &opts)
-        .with_context(|| format!("invalid database URL {}", redact(url)))
+    Store::connect_lazy(url, &opts).with_context(|| format!("invalid database URL {}", redact(url)))
 }
 
 /// Applies migrations and upserts the destinations declared in config, retrying while
 /// the database is unreachable (a service often starts before its database).
-pub async fn prepare(config: &Config, store: &Store, shutdown: &CancellationToken) -> anyhow::Result<()> {
+pub async fn prepare(
+    config: &Config,
+    store: &Store,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
     let specs = config.destination_specs()?;
     let mut delay = Duration::from_millis(200);
     loop {

@@ -212,13 +212,28 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 println!(
                     "{:<24} {:>10} {:>6} {:>9} {:>8} {:>9} {:>9} {:>8} {:>6}",
-                    "NAME", "RATE", "BURST", "CAPACITY", "QUEUED", "IN_FLIGHT", "DELAY_MS", "REJECTED", "PAUSED"
+                    "NAME",
+                    "RATE",
+                    "BURST",
+                    "CAPACITY",
+                    "QUEUED",
+                    "IN_FLIGHT",
+                    "DELAY_MS",
+                    "REJECTED",
+                    "PAUSED"
                 );
                 for d in all {
                     println!(
                         "{:<24} {:>10} {:>6} {:>9} {:>8} {:>9} {:>9} {:>8} {:>6}",
-                        d.name, d.rate, d.burst, d.capacity, d.queued, d.in_flight, d.delay_ms,
-                        d.rejected_total, d.paused
+                        d.name,
+                        d.rate,
+                        d.burst,
+                        d.capacity,
+                        d.queued,
+                        d.in_flight,
+                        d.delay_ms,
+                        d.rejected_total,
+                        d.paused
                     );
                 }
             }
@@ -232,7 +247,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 /// Opens the store and makes sure the schema exists (CLI commands may run first).
 async fn ready_store(config: &Config) -> anyhow::Result<Store> {
     let store = app::open_store(config)?;
-    store.migrate().await.context("cannot reach or migrate the database")?;
+    store
+        .migrate()
+        .await
+        .context("cannot reach or migrate the database")?;
     Ok(store)
 }
 
@@ -253,9 +271,9 @@ async fn enqueue(config: &Config, args: EnqueueArgs) -> anyhow::Result<ExitCode>
                 .context("reading the body from stdin")?;
             Some(s)
         }
-        Some(d) if d.starts_with('@') => Some(
-            std::fs::read_to_string(&d[1..]).with_context(|| format!("reading {}", &d[1..]))?,
-        ),
+        Some(d) if d.starts_with('@') => {
+            Some(std::fs::read_to_string(&d[1..]).with_context(|| format!("reading {}", &d[1..]))?)
+        }
         Some(d) => Some(d.to_owned()),
     };
     let req = JobRequest {
@@ -269,10 +287,15 @@ async fn enqueue(config: &Config, args: EnqueueArgs) -> anyhow::Result<ExitCode>
         deadline: args.deadline,
         max_attempts: args.max_attempts,
     };
-    let job = req.validate("").map_err(|e| anyhow::anyhow!("invalid job: {e}"))?;
+    let job = req
+        .validate("")
+        .map_err(|e| anyhow::anyhow!("invalid job: {e}"))?;
     let name = DestinationName::parse(&args.destination)?;
     let store = ready_store(config).await?;
-    match store.enqueue(name.as_str(), std::slice::from_ref(&job)).await {
+    match store
+        .enqueue(name.as_str(), std::slice::from_ref(&job))
+        .await
+    {
         Ok(admitted) => {
             for a in admitted {
                 println!("{}", a.id);
@@ -307,7 +330,9 @@ async fn destination(config: &Config, cmd: DestinationCommand) -> anyhow::Result
                 backoff_cap_ms: a.backoff_cap_ms,
                 paused: None,
             };
-            let spec = cfg.validate().map_err(|e| anyhow::anyhow!("invalid destination: {e}"))?;
+            let spec = cfg
+                .validate()
+                .map_err(|e| anyhow::anyhow!("invalid destination: {e}"))?;
             let d = store.upsert_destination(&name, &spec).await?;
             println!("{}", serde_json::to_string_pretty(&d)?);
         }
@@ -359,7 +384,9 @@ async fn jobs(config: &Config, cmd: JobsCommand) -> anyhow::Result<ExitCode> {
                         j.destination,
                         j.state,
                         format!("{}/{}", j.attempts, j.max_attempts),
-                        j.last_status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                        j.last_status
+                            .map(|s| s.to_string())
+                            .unwrap_or_else(|| "-".into()),
                         format_us(j.updated_at),
                         j.method,
                         j.url

@@ -102,7 +102,7 @@ impl Default for DispatcherConfig {
             poll_interval_ms: 2_000,
             max_concurrency: 1_000,
             lease_margin_ms: 30_000,
-            spin_us: 300,
+            spin_us: 500,
             claim_destinations: 512,
             claim_per_destination: 1_000,
             completion_batch: 1_000,
@@ -147,7 +147,11 @@ pub enum ConfigError {
     },
 }
 
-fn invalid(key: impl Into<String>, value: impl ToString, message: impl Into<String>) -> ConfigError {
+fn invalid(
+    key: impl Into<String>,
+    value: impl ToString,
+    message: impl Into<String>,
+) -> ConfigError {
     ConfigError::Invalid {
         key: key.into(),
         value: value.to_string(),
@@ -163,11 +167,7 @@ impl Config {
     /// Loads defaults, then `path` (required only when `required`), then the environment.
     pub fn load(path: &Path, required: bool) -> Result<Config, ConfigError> {
         if required && !path.exists() {
-            return Err(invalid(
-                "--config",
-                path.display(),
-                "file not found",
-            ));
+            return Err(invalid("--config", path.display(), "file not found"));
         }
         let fig = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::file(path))
@@ -200,18 +200,73 @@ impl Config {
         }
         let d = &self.dispatcher;
         range("dispatcher.lookahead_ms", d.lookahead_ms, 1, 10_000)?;
-        range("dispatcher.poll_interval_ms", d.poll_interval_ms, 10, 600_000)?;
-        range("dispatcher.max_concurrency", d.max_concurrency as u64, 1, 100_000)?;
-        range("dispatcher.lease_margin_ms", d.lease_margin_ms, 1_000, 3_600_000)?;
+        range(
+            "dispatcher.poll_interval_ms",
+            d.poll_interval_ms,
+            10,
+            600_000,
+        )?;
+        range(
+            "dispatcher.max_concurrency",
+            d.max_concurrency as u64,
+            1,
+            100_000,
+        )?;
+        range(
+            "dispatcher.lease_margin_ms",
+            d.lease_margin_ms,
+            1_000,
+            3_600_000,
+        )?;
         range("dispatcher.spin_us", d.spin_us, 0, 20_000)?;
-        range("dispatcher.claim_destinations", u64::from(d.claim_destinations), 1, 100_000)?;
-        range("dispatcher.claim_per_destination", u64::from(d.claim_per_destination), 1, 100_000)?;
-        range("dispatcher.completion_batch", d.completion_batch as u64, 1, 100_000)?;
-        range("database.max_connections", u64::from(self.database.max_connections), 1, 1_000)?;
-        range("database.acquire_timeout_ms", self.database.acquire_timeout_ms, 10, 600_000)?;
-        range("api.max_body_bytes", self.api.max_body_bytes as u64, 1_024, 1 << 30)?;
-        range("api.max_batch_bytes", self.api.max_batch_bytes as u64, 1_024, 1 << 31)?;
-        range("api.max_batch_jobs", self.api.max_batch_jobs as u64, 1, 1_000_000)?;
+        range(
+            "dispatcher.claim_destinations",
+            u64::from(d.claim_destinations),
+            1,
+            100_000,
+        )?;
+        range(
+            "dispatcher.claim_per_destination",
+            u64::from(d.claim_per_destination),
+            1,
+            100_000,
+        )?;
+        range(
+            "dispatcher.completion_batch",
+            d.completion_batch as u64,
+            1,
+            100_000,
+        )?;
+        range(
+            "database.max_connections",
+            u64::from(self.database.max_connections),
+            1,
+            1_000,
+        )?;
+        range(
+            "database.acquire_timeout_ms",
+            self.database.acquire_timeout_ms,
+            10,
+            600_000,
+        )?;
+        range(
+            "api.max_body_bytes",
+            self.api.max_body_bytes as u64,
+            1_024,
+            1 << 30,
+        )?;
+        range(
+            "api.max_batch_bytes",
+            self.api.max_batch_bytes as u64,
+            1_024,
+            1 << 31,
+        )?;
+        range(
+            "api.max_batch_jobs",
+            self.api.max_batch_jobs as u64,
+            1,
+            1_000_000,
+        )?;
         for (i, t) in self.api.tokens.iter().enumerate() {
             if t.len() < 16 {
                 return Err(invalid(
@@ -225,7 +280,9 @@ impl Config {
     }
 
     /// The configured destinations, validated.
-    pub fn destination_specs(&self) -> Result<Vec<(DestinationName, DestinationSpec)>, ConfigError> {
+    pub fn destination_specs(
+        &self,
+    ) -> Result<Vec<(DestinationName, DestinationSpec)>, ConfigError> {
         let mut out = Vec::with_capacity(self.destinations.len());
         for (name, cfg) in &self.destinations {
             let parsed = DestinationName::parse(name)
@@ -325,28 +382,49 @@ mod tests {
             )?;
             let e = Config::load(Path::new("bad.toml"), true).expect_err("invalid");
             let msg = e.to_string();
-            assert!(msg.contains("destinations.sms.capacity") && msg.contains("= 0"), "{msg}");
+            assert!(
+                msg.contains("destinations.sms.capacity") && msg.contains("= 0"),
+                "{msg}"
+            );
 
-            jail.create_file("rate.toml", "[destinations.x]\nrate = \"0/s\"\ncapacity = 5\n")?;
-            let msg = Config::load(Path::new("rate.toml"), true).expect_err("bad").to_string();
+            jail.create_file(
+                "rate.toml",
+                "[destinations.x]\nrate = \"0/s\"\ncapacity = 5\n",
+            )?;
+            let msg = Config::load(Path::new("rate.toml"), true)
+                .expect_err("bad")
+                .to_string();
             assert!(msg.contains("0/s"), "{msg}");
 
             jail.create_file("typo.toml", "[dispatcher]\nlookahed_ms = 5\n")?;
-            let msg = Config::load(Path::new("typo.toml"), true).expect_err("bad").to_string();
+            let msg = Config::load(Path::new("typo.toml"), true)
+                .expect_err("bad")
+                .to_string();
             assert!(msg.contains("lookahed_ms"), "{msg}");
 
             jail.create_file("range.toml", "[dispatcher]\nlookahead_ms = 0\n")?;
-            let msg = Config::load(Path::new("range.toml"), true).expect_err("bad").to_string();
+            let msg = Config::load(Path::new("range.toml"), true)
+                .expect_err("bad")
+                .to_string();
             assert!(msg.contains("dispatcher.lookahead_ms = 0"), "{msg}");
 
-            jail.create_file("name.toml", "[destinations.\"a b\"]\nrate = \"1/s\"\ncapacity = 5\n")?;
-            let msg = Config::load(Path::new("name.toml"), true).expect_err("bad").to_string();
+            jail.create_file(
+                "name.toml",
+                "[destinations.\"a b\"]\nrate = \"1/s\"\ncapacity = 5\n",
+            )?;
+            let msg = Config::load(Path::new("name.toml"), true)
+                .expect_err("bad")
+                .to_string();
             assert!(msg.contains("a b"), "{msg}");
 
             jail.set_env("SLUICE_DATABASE_URL", "mysql://x");
-            let msg = Config::load(Path::new("missing.toml"), false).expect_err("bad").to_string();
+            let msg = Config::load(Path::new("missing.toml"), false)
+                .expect_err("bad")
+                .to_string();
             assert!(msg.contains("database_url"), "{msg}");
-            let msg = Config::load(Path::new("missing.toml"), true).expect_err("bad").to_string();
+            let msg = Config::load(Path::new("missing.toml"), true)
+                .expect_err("bad")
+                .to_string();
             assert!(msg.contains("not found"), "{msg}");
             Ok(())
         });
@@ -354,10 +432,7 @@ mod tests {
 
     #[test]
     fn redacts_passwords() {
-        assert_eq!(
-            redact("postgres://u:secret@h/db"),
-            "postgres://u:***@h/db"
-        );
+        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
         assert_eq!(redact("postgres://h/db"), "postgres://h/db");
     }
 }

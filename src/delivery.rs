@@ -30,6 +30,13 @@ pub struct Response {
     pub snippet: Option<String>,
 }
 
+/// A request built ahead of its release.
+#[derive(Debug)]
+pub struct Prepared {
+    request: reqwest::Request,
+    timeout_ms: u64,
+}
+
 /// Why no response arrived.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -74,8 +81,9 @@ impl Deliverer {
         Ok(Self { client })
     }
 
-    /// Sends `job` and reads at most a snippet of the response.
-    pub async fn send(&self, job: &ClaimedJob) -> Result<Response, DeliveryError> {
+    /// Builds the request for `job` ahead of its slot, so that releasing it costs only
+    /// the send.
+    pub fn prepare(&self, job: &ClaimedJob) -> Result<Prepared, DeliveryError> {
         let timeout_ms = u64::try_from(job.timeout_ms).unwrap_or(10_000);
         let method = Method::from_bytes(job.method.as_bytes())
             .map_err(|_| DeliveryError::Invalid(format!("method {:?}", job.method)))?;
@@ -104,6 +112,27 @@ impl Deliverer {
         if let Some(body) = &job.body {
             req = req.body(body.clone());
         }
+        let request = req
+            .build()
+            .map_err(|e| DeliveryError::Invalid(error_chain(&e)))?;
+        Ok(Prepared {
+            request,
+            timeout_ms,
+        })
+    }
+
+    /// Sends `job` and reads at most a snippet of the response.
+    pub async fn send(&self, job: &ClaimedJob) -> Result<Response, DeliveryError> {
+        let prepared = self.prepare(job)?;
+        self.execute(prepared).await
+    }
+
+    /// Sends a prepared request and reads at most a snippet of the response.
+    pub async fn execute(&self, prepared: Prepared) -> Result<Response, DeliveryError> {
+        let Prepared {
+            request,
+            timeout_ms,
+        } = prepared;
         let classify = |e: reqwest::Error| {
             if e.is_timeout() {
                 DeliveryError::Timeout(timeout_ms)
@@ -115,7 +144,7 @@ impl Deliverer {
                 DeliveryError::Transport(error_chain(&e))
             }
         };
-        let mut resp = req.send().await.map_err(classify)?;
+        let mut resp = self.client.execute(request).await.map_err(classify)?;
         let status = resp.status().as_u16();
         let headers = std::mem::take(resp.headers_mut());
         // Read a bounded prefix; a body that breaks off or times out mid-way still counts

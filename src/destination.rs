@@ -210,7 +210,10 @@ impl DestinationConfig {
                 format!("{cap} is out of range (backoff_base_ms {base} to 86400000)"),
             ));
         }
-        if burst > 1 && self.rate.interval_us().saturating_mul(i64::from(burst - 1)) > crate::rate::MAX_INTERVAL_US {
+        if burst > 1
+            && self.rate.interval_us().saturating_mul(i64::from(burst - 1))
+                > crate::rate::MAX_INTERVAL_US
+        {
             return Err(FieldError::new(
                 "burst",
                 format!("{burst} bursts at {} span more than 31 years", self.rate),
@@ -345,8 +348,12 @@ mod tests {
         assert!(e.starts_with("burst"), "{e}");
         let e = cfg(serde_json::json!({"rate": "5/s", "capacity": 1, "allowed_base_urls": ["http://ok/", "ftp://x/"]}))
             .expect_err("bad");
-        assert!(e.contains("allowed_base_urls[1]") && e.contains("ftp://x/"), "{e}");
-        let e = cfg(serde_json::json!({"rate": "5/s", "capacity": 1, "colour": "red"})).expect_err("");
+        assert!(
+            e.contains("allowed_base_urls[1]") && e.contains("ftp://x/"),
+            "{e}"
+        );
+        let e =
+            cfg(serde_json::json!({"rate": "5/s", "capacity": 1, "colour": "red"})).expect_err("");
         assert!(e.contains("colour"), "{e}");
         let e = cfg(serde_json::json!({"rate": "5/s", "capacity": 1, "backoff_base_ms": 10, "backoff_cap_ms": 5}))
             .expect_err("bad");
@@ -368,10 +375,7 @@ mod tests {
         assert!(!ok("https://evil.example.com/v1/x"));
         assert!(ok("http://127.0.0.1:9000/anything"));
         assert!(!ok("http://127.0.0.1:9001/anything"));
-        assert!(url_allowed(
-            &parse_job_url("http://x/").expect("url"),
-            &[]
-        ));
+        assert!(url_allowed(&parse_job_url("http://x/").expect("url"), &[]));
     }
 
     #[test]

@@ -178,9 +178,8 @@ impl JobRequest {
         }
         let mut headers = Vec::with_capacity(self.headers.len() + 1);
         for (name, value) in &self.headers {
-            let hn = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
-                bad("headers", format!("{name:?} is not a valid header name"))
-            })?;
+            let hn = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| bad("headers", format!("{name:?} is not a valid header name")))?;
             if RESERVED_HEADERS.contains(&hn.as_str()) {
                 return Err(bad(
                     "headers",
@@ -197,10 +196,7 @@ impl JobRequest {
         }
         let body = match (&self.body, &self.json) {
             (Some(_), Some(_)) => {
-                return Err(bad(
-                    "body",
-                    "give either body or json, not both".to_owned(),
-                ))
+                return Err(bad("body", "give either body or json, not both".to_owned()))
             }
             (Some(b), None) => Some(b.clone().into_bytes()),
             (None, Some(j)) => {
@@ -352,14 +348,38 @@ mod tests {
     fn rejects_bad_fields() {
         let cases = [
             (serde_json::json!({"url": "ftp://x/"}), "url"),
-            (serde_json::json!({"url": "http://x/", "method": "GE T"}), "method"),
-            (serde_json::json!({"url": "http://x/", "headers": {"Host": "y"}}), "headers"),
-            (serde_json::json!({"url": "http://x/", "headers": {"a b": "y"}}), "headers"),
-            (serde_json::json!({"url": "http://x/", "headers": {"a": "line\nbreak"}}), "headers"),
-            (serde_json::json!({"url": "http://x/", "body": "a", "json": 1}), "body"),
-            (serde_json::json!({"url": "http://x/", "idempotency_key": ""}), "idempotency_key"),
-            (serde_json::json!({"url": "http://x/", "not_before": "soon"}), "not_before"),
-            (serde_json::json!({"url": "http://x/", "max_attempts": 0}), "max_attempts"),
+            (
+                serde_json::json!({"url": "http://x/", "method": "GE T"}),
+                "method",
+            ),
+            (
+                serde_json::json!({"url": "http://x/", "headers": {"Host": "y"}}),
+                "headers",
+            ),
+            (
+                serde_json::json!({"url": "http://x/", "headers": {"a b": "y"}}),
+                "headers",
+            ),
+            (
+                serde_json::json!({"url": "http://x/", "headers": {"a": "line\nbreak"}}),
+                "headers",
+            ),
+            (
+                serde_json::json!({"url": "http://x/", "body": "a", "json": 1}),
+                "body",
+            ),
+            (
+                serde_json::json!({"url": "http://x/", "idempotency_key": ""}),
+                "idempotency_key",
+            ),
+            (
+                serde_json::json!({"url": "http://x/", "not_before": "soon"}),
+                "not_before",
+            ),
+            (
+                serde_json::json!({"url": "http://x/", "max_attempts": 0}),
+                "max_attempts",
+            ),
             (
                 serde_json::json!({"url": "http://x/", "not_before": "2026-01-02T00:00:00Z", "deadline": "2026-01-01T00:00:00Z"}),
                 "deadline",

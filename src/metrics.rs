@@ -42,15 +42,43 @@ impl Metrics {
     pub fn render(&self, destinations: &[DestinationStatus]) -> String {
         let mut out = String::with_capacity(2_048 + destinations.len() * 512);
         let counters: [(&str, &str, &AtomicU64); 9] = [
-            ("sluice_released_total", "Jobs released by this process.", &self.released),
-            ("sluice_succeeded_total", "Jobs that got a 2xx.", &self.succeeded),
-            ("sluice_retried_total", "Failed attempts scheduled for retry.", &self.retried),
+            (
+                "sluice_released_total",
+                "Jobs released by this process.",
+                &self.released,
+            ),
+            (
+                "sluice_succeeded_total",
+                "Jobs that got a 2xx.",
+                &self.succeeded,
+            ),
+            (
+                "sluice_retried_total",
+                "Failed attempts scheduled for retry.",
+                &self.retried,
+            ),
             ("sluice_dead_total", "Jobs dead-lettered.", &self.dead),
-            ("sluice_expired_total", "Jobs expired at release.", &self.expired),
-            ("sluice_returned_total", "Claims returned to the queue unreleased.", &self.returned),
-            ("sluice_late_releases_total", "Releases abandoned because the timer was too late.", &self.late),
+            (
+                "sluice_expired_total",
+                "Jobs expired at release.",
+                &self.expired,
+            ),
+            (
+                "sluice_returned_total",
+                "Claims returned to the queue unreleased.",
+                &self.returned,
+            ),
+            (
+                "sluice_late_releases_total",
+                "Releases abandoned because the timer was too late.",
+                &self.late,
+            ),
             ("sluice_claims_total", "Claim transactions.", &self.claims),
-            ("sluice_completion_batches_total", "Completion transactions.", &self.completion_batches),
+            (
+                "sluice_completion_batches_total",
+                "Completion transactions.",
+                &self.completion_batches,
+            ),
         ];
         for (name, help, c) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
@@ -58,22 +86,47 @@ impl Metrics {
         }
         type Field = fn(&DestinationStatus) -> f64;
         let gauges: [(&str, &str, &str, Field); 6] = [
-            ("sluice_destination_queued", "gauge", "Jobs waiting for a slot.", |d| d.queued as f64),
-            ("sluice_destination_in_flight", "gauge", "Jobs claimed or in flight.", |d| f64::from(d.in_flight)),
-            ("sluice_destination_capacity", "gauge", "Admission bound.", |d| d.capacity as f64),
-            ("sluice_destination_delay_seconds", "gauge", "Time until the next slot.", |d| d.delay_ms as f64 / 1_000.0),
-            ("sluice_destination_rate_per_second", "gauge", "Configured rate.", |d| 1_000_000.0 / d.interval_us as f64),
-            ("sluice_destination_rejected_total", "counter", "Enqueues rejected because the destination was full.", |d| d.rejected_total as f64),
+            (
+                "sluice_destination_queued",
+                "gauge",
+                "Jobs waiting for a slot.",
+                |d| d.queued as f64,
+            ),
+            (
+                "sluice_destination_in_flight",
+                "gauge",
+                "Jobs claimed or in flight.",
+                |d| f64::from(d.in_flight),
+            ),
+            (
+                "sluice_destination_capacity",
+                "gauge",
+                "Admission bound.",
+                |d| d.capacity as f64,
+            ),
+            (
+                "sluice_destination_delay_seconds",
+                "gauge",
+                "Time until the next slot.",
+                |d| d.delay_ms as f64 / 1_000.0,
+            ),
+            (
+                "sluice_destination_rate_per_second",
+                "gauge",
+                "Configured rate.",
+                |d| 1_000_000.0 / d.interval_us as f64,
+            ),
+            (
+                "sluice_destination_rejected_total",
+                "counter",
+                "Enqueues rejected because the destination was full.",
+                |d| d.rejected_total as f64,
+            ),
         ];
         for (name, kind, help, f) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for d in destinations {
-                let _ = writeln!(
-                    out,
-                    "{name}{{destination=\"{}\"}} {}",
-                    d.name,
-                    f(d)
-                );
+                let _ = writeln!(out, "{name}{{destination=\"{}\"}} {}", d.name, f(d));
             }
         }
         out

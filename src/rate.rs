@@ -120,7 +120,9 @@ fn parse_count(s: &str) -> Result<(u128, u128), &'static str> {
         return Err("count must be positive");
     }
     let digits_ok = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
-    if !digits_ok(int_part) || !digits_ok(frac_part) || (int_part.is_empty() && frac_part.is_empty())
+    if !digits_ok(int_part)
+        || !digits_ok(frac_part)
+        || (int_part.is_empty() && frac_part.is_empty())
     {
         return Err("count is not a number");
     }
@@ -298,7 +300,10 @@ mod tests {
         for n in 1..5_000u64 {
             let i = interval(&format!("{n}/s"));
             assert!(i as u64 * n >= 1_000_000, "{n}/s -> {i}");
-            assert!((i as u64 - 1) * n < 1_000_000, "{n}/s -> {i} is not the smallest");
+            assert!(
+                (i as u64 - 1) * n < 1_000_000,
+                "{n}/s -> {i} is not the smallest"
+            );
         }
     }
 
@@ -356,7 +361,10 @@ mod tests {
     fn serde_round_trip() {
         let r: Rate = serde_json::from_str("\"600/min\"").expect("parses");
         assert_eq!(r.interval_us(), 100_000);
-        assert_eq!(serde_json::to_string(&r).expect("serializes"), "\"600/min\"");
+        assert_eq!(
+            serde_json::to_string(&r).expect("serializes"),
+            "\"600/min\""
+        );
         let err = serde_json::from_str::<Rate>("\"0/s\"").expect_err("rejected");
         assert!(err.to_string().contains("greater than zero"));
     }
@@ -455,7 +463,10 @@ mod tests {
                 let bound = (w as u64).div_ceil(T as u64) as usize + burst as usize - 1 + 1;
                 for (i, start) in releases.iter().enumerate() {
                     let inside = releases[i..].iter().filter(|&&r| r <= start + w).count();
-                    assert!(inside <= bound, "burst {burst} window {w}: {inside} > {bound}");
+                    assert!(
+                        inside <= bound,
+                        "burst {burst} window {w}: {inside} > {bound}"
+                    );
                 }
             }
             if burst == 1 {

@@ -68,9 +68,11 @@ impl IntoResponse for ApiError {
 impl From<store::Error> for ApiError {
     fn from(e: store::Error) -> Self {
         match e {
-            store::Error::UnknownDestination(_) => {
-                Self::new(StatusCode::NOT_FOUND, "destination_not_found", e.to_string())
-            }
+            store::Error::UnknownDestination(_) => Self::new(
+                StatusCode::NOT_FOUND,
+                "destination_not_found",
+                e.to_string(),
+            ),
             store::Error::UnknownJob(_) => {
                 Self::new(StatusCode::NOT_FOUND, "job_not_found", e.to_string())
             }
@@ -106,8 +108,11 @@ impl From<EnqueueError> for ApiError {
             EnqueueError::Full {
                 retry_after_secs, ..
             } => {
-                let mut err =
-                    Self::new(StatusCode::TOO_MANY_REQUESTS, "destination_full", e.to_string());
+                let mut err = Self::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "destination_full",
+                    e.to_string(),
+                );
                 err.retry_after_secs = Some(retry_after_secs);
                 err
             }

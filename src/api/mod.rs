@@ -134,7 +134,10 @@ async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
     let destinations = state.store.list_destinations().await?;
     let body = state.metrics.render(&destinations);
     Ok((
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         body,
     )
         .into_response())

@@ -84,7 +84,10 @@ mod tests {
         let base = Instant::now();
         let c = DbClock::local(base, 1_000_000);
         assert_eq!(c.instant_at(1_000_000), base);
-        assert_eq!(c.instant_at(1_250_000), base + Duration::from_micros(250_000));
+        assert_eq!(
+            c.instant_at(1_250_000),
+            base + Duration::from_micros(250_000)
+        );
         assert_eq!(c.us_at(base + Duration::from_micros(7)), 1_000_007);
         assert_eq!(c.us_at(c.instant_at(900_000)), 900_000);
         // Absurd values saturate instead of panicking.

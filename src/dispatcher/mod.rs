@@ -49,6 +49,8 @@ pub struct ReleaseEvent {
     pub slot_us: Micros,
     /// When the release thread let it go.
     pub at: Instant,
+    /// How long after its slot (local clock mapping) the job went.
+    pub late: Duration,
 }
 
 /// Destinations with intervals at least this long are released by a plain sleep (about
@@ -58,10 +60,42 @@ const SPIN_BELOW_INTERVAL: Duration = Duration::from_secs(1);
 /// How often the database/local clock mapping is refreshed.
 const CLOCK_RESYNC: Duration = Duration::from_secs(15);
 
-/// How late a release may be before it is abandoned: 2% of the interval, between 20 µs
+/// How late a release may be before it is abandoned: 2% of the interval, between 50 µs
 /// and 1 ms. See [`release`] for why late releases are dropped rather than sent.
 pub fn late_limit(interval_us: i64) -> Duration {
-    Duration::from_micros((interval_us / 50).clamp(20, 1_000) as u64)
+    Duration::from_micros((interval_us / 50).clamp(50, 1_000) as u64)
+}
+
+/// How far ahead of the database clock a claim must put its first slot: the time a claim
+/// takes, plus a margin. Tracked as a slowly decaying maximum of recent claim durations,
+/// so one slow claim raises it at once and it relaxes over the following claims.
+#[derive(Debug)]
+struct ClaimLead {
+    recent_max_us: i64,
+}
+
+impl Default for ClaimLead {
+    fn default() -> Self {
+        // Until measured, assume a slow claim; it decays to the real figure within tens
+        // of claims.
+        Self {
+            recent_max_us: 5_000,
+        }
+    }
+}
+
+impl ClaimLead {
+    const MARGIN_US: i64 = 1_000;
+    const CAP_US: i64 = 50_000;
+
+    fn observe(&mut self, took: Duration) {
+        let us = i64::try_from(took.as_micros()).unwrap_or(i64::MAX);
+        self.recent_max_us = us.max(self.recent_max_us - self.recent_max_us / 8);
+    }
+
+    fn lead_us(&self) -> i64 {
+        (self.recent_max_us + Self::MARGIN_US).min(Self::CAP_US)
+    }
 }
 
 /// A dispatcher bound to a store. Build with [`Dispatcher::new`], start with
@@ -130,12 +164,14 @@ impl Dispatcher {
         let params = ClaimParams {
             worker_id: self.worker_id,
             horizon_us: horizon.as_micros() as i64,
+            lead_us: 0,
             max_destinations: i64::from(cfg.claim_destinations),
             max_jobs: 0,
             max_per_destination: cfg.claim_per_destination as usize,
             lease_margin_us: (cfg.lease_margin_ms as i64).saturating_mul(1_000),
         };
         let mut clock: Option<DbClock> = None;
+        let mut lead = ClaimLead::default();
         let mut failures = 0u32;
         let mut last_claim = Instant::now() - horizon;
         tracing::info!(worker_id = %self.worker_id, "dispatcher started");
@@ -152,14 +188,20 @@ impl Dispatcher {
                 };
                 let free = permits.available_permits();
                 if free > 0 {
+                    let started = Instant::now();
                     let claim = self
                         .store
                         .claim(&ClaimParams {
                             max_jobs: free,
+                            lead_us: lead.lead_us(),
                             ..params.clone()
                         })
                         .await?;
                     last_claim = Instant::now();
+                    if !claim.jobs.is_empty() {
+                        // Empty claims are quicker than real ones; only real ones count.
+                        lead.observe(last_claim - started);
+                    }
                     Metrics::inc(&self.metrics.claims);
                     for job in claim.jobs {
                         let Ok(permit) = permits.clone().try_acquire_owned() else {
@@ -220,7 +262,10 @@ impl Dispatcher {
         Ok(())
     }
 
-    #[expect(clippy::too_many_arguments, reason = "internal plumbing of the claim loop")]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "internal plumbing of the claim loop"
+    )]
     fn start_job(
         &self,
         job: ClaimedJob,
@@ -233,12 +278,15 @@ impl Dispatcher {
     ) {
         let interval = Duration::from_micros(job.interval_us.max(1) as u64);
         let (reply, verdict) = tokio::sync::oneshot::channel();
+        let slot = clock.instant_at(job.slot_us);
         timer.schedule(Ticket {
-            slot: clock.instant_at(job.slot_us),
+            slot,
             destination_id: job.destination_id,
             interval,
+            tolerance: interval * job.burst.saturating_sub(1),
             late_limit: late_limit(job.interval_us),
             spin: interval < SPIN_BELOW_INTERVAL,
+            shared: job.shared,
             reply,
         });
         let job = Arc::new(job);
@@ -249,6 +297,7 @@ impl Dispatcher {
         let clock = *clock;
         tracker.spawn(async move {
             let _permit = permit;
+            let prepared = deliverer.prepare(&job);
             let outcome = match verdict.await {
                 Ok(Release::Go(at)) => {
                     Metrics::inc(&metrics.released);
@@ -258,12 +307,17 @@ impl Dispatcher {
                             destination: job.destination.clone(),
                             slot_us: job.slot_us,
                             at,
+                            late: at.saturating_duration_since(slot),
                         });
                     }
                     if job.deadline_us.is_some_and(|d| d <= clock.us_at(at)) {
                         Outcome::Expired
                     } else {
-                        retry::classify(&job, deliverer.send(&job).await)
+                        let result = match prepared {
+                            Ok(p) => deliverer.execute(p).await,
+                            Err(e) => Err(e),
+                        };
+                        retry::classify(&job, result)
                     }
                 }
                 Ok(Release::Late(by)) => {

@@ -8,12 +8,17 @@
 //! not matter) skip the spin to save CPU.
 //!
 //! Two rules keep spacing exact:
-//! * Within this process a destination's release is never earlier than its previous
-//!   *actual* release plus one interval, so lateness on one release can never shorten the
-//!   next gap. Targets stay on the slot grid, so lateness does not accumulate.
+//! * Within this process each destination's *actual* releases are run through GCRA again
+//!   (with `burst = 1`: never earlier than the previous actual release plus one
+//!   interval), so lateness on one release can never shorten the next gap. Targets stay
+//!   on the slot grid, so lateness does not accumulate.
 //! * A release later than its slot by more than the ticket's `late_limit` is abandoned
-//!   (the job goes back to the queue): another dispatcher may own the next slot and will
-//!   release on time, so a late release here could land closer than one interval to it.
+//!   (the job goes back to the queue) when the destination is shared with another
+//!   dispatcher and this is this process's last pending ticket for it: the next slot may
+//!   then belong to the other dispatcher, which will release on time, so a late release
+//!   here could land closer than one interval to it. When this process holds the next
+//!   slot too, the first rule already pushes that one back; when nobody else claims the
+//!   destination, lateness only delays.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -32,10 +37,14 @@ pub struct Ticket {
     pub destination_id: i64,
     /// Minimum gap between two releases of the destination.
     pub interval: Duration,
+    /// GCRA tolerance, `(burst - 1) * interval`: zero for a pure leaky bucket.
+    pub tolerance: Duration,
     /// How late a release may be before it is abandoned.
     pub late_limit: Duration,
     /// Whether to spin for the last stretch (short intervals) or just sleep.
     pub spin: bool,
+    /// Whether another dispatcher also claims this destination.
+    pub shared: bool,
     /// Where the verdict goes.
     pub reply: oneshot::Sender<Release>,
 }
@@ -100,10 +109,17 @@ impl ReleaseTimer {
 }
 
 struct Worker {
+    /// Floor of the spin margin (configured).
     spin_margin: Duration,
+    /// Recent worst oversleep of the OS timer, decaying; the margin follows it so a
+    /// loaded machine gets a longer spin instead of late releases.
+    oversleep: Duration,
     heap: BinaryHeap<Reverse<(Instant, u64)>>,
     tickets: HashMap<u64, Ticket>,
-    last_release: HashMap<i64, Instant>,
+    /// Per destination, GCRA's theoretical arrival time computed from actual releases.
+    tat: HashMap<i64, Instant>,
+    /// Pending tickets per destination.
+    pending: HashMap<i64, usize>,
     seq: u64,
 }
 
@@ -111,9 +127,11 @@ impl Worker {
     fn new(spin_margin: Duration) -> Self {
         Worker {
             spin_margin,
+            oversleep: Duration::ZERO,
             heap: BinaryHeap::new(),
             tickets: HashMap::new(),
-            last_release: HashMap::new(),
+            tat: HashMap::new(),
+            pending: HashMap::new(),
             seq: 0,
         }
     }
@@ -139,9 +157,9 @@ impl Worker {
                 self.heap.pop(); // revoked
                 continue;
             };
-            // Never closer than one interval to this destination's previous release.
-            let target = match self.last_release.get(&ticket.destination_id) {
-                Some(&prev) => key.max(prev + ticket.interval),
+            // Never earlier than GCRA allows given this destination's actual releases.
+            let target = match self.tat.get(&ticket.destination_id) {
+                Some(&tat) => key.max(tat.checked_sub(ticket.tolerance).unwrap_or(tat)),
                 None => key,
             };
             if target > key {
@@ -150,7 +168,7 @@ impl Worker {
                 continue;
             }
             let wake = if ticket.spin {
-                target.checked_sub(self.spin_margin).unwrap_or(target)
+                target.checked_sub(self.margin()).unwrap_or(target)
             } else {
                 target
             };
@@ -158,7 +176,10 @@ impl Worker {
             if now < wake {
                 match rx.recv_timeout(wake - now) {
                     Ok(cmd) => self.handle(cmd),
-                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Timeout) => {
+                        let over = Instant::now().saturating_duration_since(wake);
+                        self.oversleep = over.max(self.oversleep - self.oversleep / 16);
+                    }
                     Err(RecvTimeoutError::Disconnected) => return self.revoke(None, None),
                 }
                 continue;
@@ -173,9 +194,16 @@ impl Worker {
         }
     }
 
+    /// How long before a slot to stop sleeping and start spinning.
+    fn margin(&self) -> Duration {
+        (self.oversleep * 3 / 2 + Duration::from_micros(50))
+            .clamp(self.spin_margin, Duration::from_millis(2))
+    }
+
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Schedule(t) => {
+                *self.pending.entry(t.destination_id).or_default() += 1;
                 self.seq += 1;
                 self.heap.push(Reverse((t.slot, self.seq)));
                 self.tickets.insert(self.seq, t);
@@ -187,20 +215,34 @@ impl Worker {
         }
     }
 
+    fn forget(&mut self, destination_id: i64) -> usize {
+        match self.pending.get_mut(&destination_id) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                *n
+            }
+            _ => {
+                self.pending.remove(&destination_id);
+                0
+            }
+        }
+    }
+
     fn fire(&mut self, ticket: Ticket) {
         let at = Instant::now();
         let late = at.saturating_duration_since(ticket.slot);
-        if late > ticket.late_limit {
+        let others = self.forget(ticket.destination_id);
+        if late > ticket.late_limit && others == 0 && ticket.shared {
             let _ = ticket.reply.send(Release::Late(late));
             return;
         }
         if ticket.reply.send(Release::Go(at)).is_ok() {
-            self.last_release.insert(ticket.destination_id, at);
+            let tat = self.tat.entry(ticket.destination_id).or_insert(at);
+            *tat = (*tat).max(at) + ticket.interval;
         }
         // Forget destinations idle for a while so the map does not grow for ever.
-        if self.last_release.len() > 50_000 {
-            self.last_release
-                .retain(|_, t| at.saturating_duration_since(*t) < Duration::from_secs(3_600));
+        if self.tat.len() > 50_000 {
+            self.tat.retain(|_, t| *t + Duration::from_secs(3_600) > at);
         }
     }
 
@@ -214,6 +256,7 @@ impl Worker {
             .collect();
         for id in ids {
             if let Some(t) = self.tickets.remove(&id) {
+                self.forget(t.destination_id);
                 let _ = t.reply.send(Release::Revoked);
             }
         }
@@ -224,19 +267,17 @@ impl Worker {
 mod tests {
     use super::*;
 
-    fn ticket(
-        slot: Instant,
-        dest: i64,
-        interval_us: u64,
-    ) -> (Ticket, oneshot::Receiver<Release>) {
+    fn ticket(slot: Instant, dest: i64, interval_us: u64) -> (Ticket, oneshot::Receiver<Release>) {
         let (reply, rx) = oneshot::channel();
         (
             Ticket {
                 slot,
                 destination_id: dest,
                 interval: Duration::from_micros(interval_us),
+                tolerance: Duration::ZERO,
                 late_limit: Duration::from_millis(50),
                 spin: true,
+                shared: true,
                 reply,
             },
             rx,
@@ -262,11 +303,41 @@ mod tests {
             }
         }
         for pair in at.windows(2) {
-            assert!(pair[1] - pair[0] >= Duration::from_micros(5_000), "{pair:?}");
+            assert!(
+                pair[1] - pair[0] >= Duration::from_micros(5_000),
+                "{pair:?}"
+            );
         }
         assert!(at[0] >= start);
         // The shared slot pushed the third release to 10 ms; later ones stay on the grid.
         assert!(at[3] - start < Duration::from_micros(15_000 + 2_000));
+    }
+
+    #[tokio::test]
+    async fn burst_tolerance_lets_b_go_together() {
+        let timer = ReleaseTimer::start(Duration::from_micros(300)).expect("thread");
+        let start = Instant::now() + Duration::from_millis(5);
+        let mut rxs = Vec::new();
+        for _ in 0..4 {
+            let (mut t, rx) = ticket(start, 7, 10_000);
+            t.tolerance = Duration::from_millis(20); // burst 3
+            timer.schedule(t);
+            rxs.push(rx);
+        }
+        let mut at = Vec::new();
+        for rx in rxs {
+            if let Release::Go(t) = rx.await.expect("reply") {
+                at.push(t);
+            }
+        }
+        assert!(
+            at[2] - at[0] < Duration::from_millis(2),
+            "three together: {at:?}"
+        );
+        assert!(
+            at[3] - at[0] >= Duration::from_millis(10),
+            "fourth waits: {at:?}"
+        );
     }
 
     #[tokio::test]
@@ -291,8 +362,10 @@ mod tests {
             slot: Instant::now() - Duration::from_millis(10),
             destination_id: 1,
             interval: Duration::from_millis(1),
+            tolerance: Duration::ZERO,
             late_limit: Duration::from_millis(1),
             spin: false,
+            shared: true,
             reply,
         });
         assert!(matches!(rx.await.expect("reply"), Release::Late(_)));

@@ -88,6 +88,7 @@ mod tests {
             tat_before_us: 0,
             tat_after_us: 0,
             interval_us: 1,
+            shared: false,
             burst: 1,
             timeout_ms: 1_000,
             backoff_base_ms: 100,
@@ -125,24 +126,51 @@ mod tests {
 
     #[test]
     fn outcomes_by_status() {
-        assert!(matches!(classify(&job(1, 3), resp(200)), Outcome::Succeeded { status: 200, .. }));
-        assert!(matches!(classify(&job(1, 3), resp(204)), Outcome::Succeeded { .. }));
+        assert!(matches!(
+            classify(&job(1, 3), resp(200)),
+            Outcome::Succeeded { status: 200, .. }
+        ));
+        assert!(matches!(
+            classify(&job(1, 3), resp(204)),
+            Outcome::Succeeded { .. }
+        ));
         for s in [500, 502, 503, 504, 408, 429] {
-            assert!(matches!(classify(&job(1, 3), resp(s)), Outcome::Retry { .. }), "{s}");
-            assert!(matches!(classify(&job(3, 3), resp(s)), Outcome::Dead { .. }), "{s}");
+            assert!(
+                matches!(classify(&job(1, 3), resp(s)), Outcome::Retry { .. }),
+                "{s}"
+            );
+            assert!(
+                matches!(classify(&job(3, 3), resp(s)), Outcome::Dead { .. }),
+                "{s}"
+            );
         }
         for s in [400, 401, 403, 404, 410, 422, 301, 302, 100] {
-            assert!(matches!(classify(&job(1, 3), resp(s)), Outcome::Dead { .. }), "{s}");
+            assert!(
+                matches!(classify(&job(1, 3), resp(s)), Outcome::Dead { .. }),
+                "{s}"
+            );
         }
     }
 
     #[test]
     fn network_errors() {
         let e = |e: DeliveryError| classify(&job(1, 3), Err(e));
-        assert!(matches!(e(DeliveryError::Timeout(5)), Outcome::Retry { .. }));
-        assert!(matches!(e(DeliveryError::Connect("refused".into())), Outcome::Retry { .. }));
-        assert!(matches!(e(DeliveryError::Transport("reset".into())), Outcome::Retry { .. }));
-        assert!(matches!(e(DeliveryError::Invalid("bad".into())), Outcome::Dead { .. }));
+        assert!(matches!(
+            e(DeliveryError::Timeout(5)),
+            Outcome::Retry { .. }
+        ));
+        assert!(matches!(
+            e(DeliveryError::Connect("refused".into())),
+            Outcome::Retry { .. }
+        ));
+        assert!(matches!(
+            e(DeliveryError::Transport("reset".into())),
+            Outcome::Retry { .. }
+        ));
+        assert!(matches!(
+            e(DeliveryError::Invalid("bad".into())),
+            Outcome::Dead { .. }
+        ));
         assert!(matches!(
             classify(&job(3, 3), Err(DeliveryError::Timeout(5))),
             Outcome::Dead { .. }

@@ -151,9 +151,9 @@ impl Store {
             status_columns!(),
             " FROM sluice_destinations WHERE name = $1"
         ))
-            .bind(name)
-            .fetch_optional(&self.pool)
-            .await?)
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await?)
     }
 
     /// All destinations, by name.
@@ -163,8 +163,8 @@ impl Store {
             status_columns!(),
             " FROM sluice_destinations ORDER BY name"
         ))
-            .fetch_all(&self.pool)
-            .await?)
+        .fetch_all(&self.pool)
+        .await?)
     }
 }
 

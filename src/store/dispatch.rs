@@ -28,6 +28,10 @@ pub struct ClaimParams {
     pub worker_id: Uuid,
     /// Claim slots up to this far ahead of the database clock.
     pub horizon_us: i64,
+    /// No slot is earlier than `now + lead_us`: the time from reading the clock to the
+    /// job waiting on the release thread. A slot the dispatcher cannot keep would be
+    /// released late, and another dispatcher may release the next slot on time.
+    pub lead_us: i64,
     /// Destinations locked per claim.
     pub max_destinations: i64,
     /// Jobs claimed in total (the dispatcher's free concurrency).
@@ -57,6 +61,9 @@ pub struct ClaimedJob {
     pub tat_after_us: Micros,
     /// Minimum spacing the dispatcher enforces between this destination's releases.
     pub interval_us: i64,
+    /// Whether another dispatcher made the previous claim on this destination, so the
+    /// slots around these may be released by someone else.
+    pub shared: bool,
     /// Releases allowed back to back after idleness.
     pub burst: u32,
     /// Request timeout.
@@ -152,6 +159,7 @@ struct DueDestination {
     timeout_ms: i32,
     backoff_base_ms: i64,
     backoff_cap_ms: i64,
+    last_claimer: Option<Uuid>,
     now_us: i64,
 }
 
@@ -220,7 +228,8 @@ impl Store {
 async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
     let dests: Vec<DueDestination> = sqlx::query_as(
         "SELECT d.id, d.name, d.next_slot_us, d.interval_us, d.burst, d.max_in_flight,
-                d.in_flight, d.timeout_ms, d.backoff_base_ms, d.backoff_cap_ms, c.now AS now_us
+                d.in_flight, d.timeout_ms, d.backoff_base_ms, d.backoff_cap_ms, d.last_claimer,
+                c.now AS now_us
            FROM (SELECT sluice_now_us() AS now) c, sluice_destinations d
           WHERE d.due_at_us IS NOT NULL AND NOT d.paused AND d.due_at_us <= c.now + $1
           ORDER BY d.due_at_us
@@ -231,10 +240,12 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
     .bind(p.max_destinations)
     .fetch_all(&mut *conn)
     .await?;
-    let Some(now) = dests.first().map(|d| d.now_us) else {
+    let Some(db_now) = dests.first().map(|d| d.now_us) else {
         return Ok(Claim::default());
     };
-    let horizon_end = now.saturating_add(p.horizon_us);
+    // GCRA runs from the earliest instant a claimed job can actually be released.
+    let now = db_now.saturating_add(p.lead_us.max(0));
+    let horizon_end = db_now.saturating_add(p.horizon_us).max(now);
 
     // Upper bound of jobs per destination: slots within the horizon, in-flight headroom,
     // and the dispatcher's remaining budget.
@@ -257,10 +268,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
         let headroom = d
             .max_in_flight
             .map_or(usize::MAX, |m| (m - d.in_flight).max(0) as usize);
-        let k = slots
-            .min(headroom)
-            .min(p.max_per_destination)
-            .min(budget);
+        let k = slots.min(headroom).min(p.max_per_destination).min(budget);
         budget -= k.min(budget);
         want_ids.push(d.id);
         want_k.push(k as i32);
@@ -330,8 +338,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
     let mut slots = Vec::new();
     let mut leases = Vec::new();
     for plan in plans.values() {
-        let lease_tail =
-            i64::from(plan.dest.timeout_ms).saturating_mul(1_000) + p.lease_margin_us;
+        let lease_tail = i64::from(plan.dest.timeout_ms).saturating_mul(1_000) + p.lease_margin_us;
         for &(id, slot, _, _) in &plan.claimed {
             ids.push(id);
             slots.push(slot);
@@ -351,7 +358,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
                     j.deadline_us",
         )
         .bind(p.worker_id)
-        .bind(now)
+        .bind(db_now)
         .bind(&ids)
         .bind(&slots)
         .bind(&leases)
@@ -366,7 +373,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
               WHERE id = ANY($1)",
         )
         .bind(&expired_ids)
-        .bind(now)
+        .bind(db_now)
         .execute(&mut *conn)
         .await?;
     }
@@ -386,6 +393,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
             SET next_slot_us = u.tat,
                 in_flight = d.in_flight + u.claimed,
                 backlog = d.backlog - u.expired,
+                last_claimer = CASE WHEN u.claimed > 0 THEN $5 ELSE d.last_claimer END,
                 due_at_us = sluice_due_at(d.id, u.tat, d.interval_us, d.burst,
                                           d.in_flight + u.claimed, d.max_in_flight)
            FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::int[])
@@ -396,6 +404,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
     .bind(&d_tats)
     .bind(&d_claimed)
     .bind(&d_expired)
+    .bind(p.worker_id)
     .execute(&mut *conn)
     .await?;
 
@@ -416,6 +425,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
                 tat_before_us: tat_before,
                 tat_after_us: tat_after,
                 interval_us: d.interval_us,
+                shared: d.last_claimer.is_some_and(|w| w != p.worker_id),
                 burst: d.burst.max(1) as u32,
                 timeout_ms: d.timeout_ms,
                 backoff_base_ms: d.backoff_base_ms,
@@ -431,7 +441,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
         }
     }
     Ok(Claim {
-        now_us: now,
+        now_us: db_now,
         jobs,
         expired: expired_ids.len(),
         destinations,

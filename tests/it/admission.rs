@@ -62,7 +62,12 @@ async fn concurrent_producers_never_over_admit() {
         }
         assert_eq!(accepted, 500, "round {round}: over- or under-admitted");
         assert_eq!(rejected, 32 * 50 - 500);
-        let d = app.store.get_destination(&dest).await.expect("get").expect("exists");
+        let d = app
+            .store
+            .get_destination(&dest)
+            .await
+            .expect("get")
+            .expect("exists");
         assert_eq!(d.backlog, 500);
         assert_eq!(d.rejected_total, 1100);
     }
@@ -102,7 +107,12 @@ async fn concurrent_duplicate_idempotency_keys_admit_one() {
     }
     assert_eq!(created, 1, "exactly one request creates the job");
     assert_eq!(ids.len(), 1, "every request sees the same job id");
-    let d = app.store.get_destination("idem").await.expect("get").expect("exists");
+    let d = app
+        .store
+        .get_destination("idem")
+        .await
+        .expect("get")
+        .expect("exists");
     assert_eq!(d.backlog, 1);
     // Same key on another destination is a different job.
     app.put_destination("idem2", json!({"rate": "1/s", "capacity": 100}))
@@ -145,7 +155,10 @@ async fn idempotent_repeat_is_not_rejected_when_full() {
     assert_eq!((s1, s2), (202, 200));
     assert_eq!(b1["id"], b2["id"]);
     let (s3, _) = app
-        .enqueue("one", json!({"url": "http://127.0.0.1:9/", "idempotency_key": "b"}))
+        .enqueue(
+            "one",
+            json!({"url": "http://127.0.0.1:9/", "idempotency_key": "b"}),
+        )
         .await;
     assert_eq!(s3, 429);
     app.stop().await;
@@ -155,11 +168,12 @@ async fn idempotent_repeat_is_not_rejected_when_full() {
 #[tokio::test]
 async fn batch_is_all_or_nothing() {
     let app = TestApp::api_only().await;
-    app.put_destination("b", json!({"rate": "1/s", "capacity": 5, "allowed_base_urls": ["http://127.0.0.1:9/"]}))
-        .await;
-    let batch = |n: usize| {
-        json!({"jobs": (0..n).map(|_| json!({"url": "http://127.0.0.1:9/x"})).collect::<Vec<_>>()})
-    };
+    app.put_destination(
+        "b",
+        json!({"rate": "1/s", "capacity": 5, "allowed_base_urls": ["http://127.0.0.1:9/"]}),
+    )
+    .await;
+    let batch = |n: usize| json!({"jobs": (0..n).map(|_| json!({"url": "http://127.0.0.1:9/x"})).collect::<Vec<_>>()});
     let post = |body: serde_json::Value| {
         let app = &app;
         async move {
@@ -170,7 +184,10 @@ async fn batch_is_all_or_nothing() {
                 .send()
                 .await
                 .expect("request");
-            (r.status().as_u16(), r.json::<serde_json::Value>().await.unwrap_or_default())
+            (
+                r.status().as_u16(),
+                r.json::<serde_json::Value>().await.unwrap_or_default(),
+            )
         }
     };
     assert_eq!(post(batch(3)).await.0, 202);
@@ -210,7 +227,11 @@ async fn cancel_frees_capacity() {
     assert_eq!(r.status().as_u16(), 200);
     let body: serde_json::Value = r.json().await.expect("json");
     assert_eq!(body["state"], "cancelled");
-    assert_eq!(app.enqueue("c", job.clone()).await.0, 202, "room after cancel");
+    assert_eq!(
+        app.enqueue("c", job.clone()).await.0,
+        202,
+        "room after cancel"
+    );
     let r = app
         .http
         .delete(app.url(&format!("/v1/jobs/{id}")))

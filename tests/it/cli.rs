@@ -9,8 +9,17 @@ async fn cli_creates_enqueues_lists_and_hits_capacity() {
     assert_eq!(code, 0, "{out}{err}");
 
     let (code, out, err) = cli(
-        &["destination", "set", "sms", "--rate", "10/s", "--capacity", "2",
-          "--allowed-base-url", "http://127.0.0.1:9/"],
+        &[
+            "destination",
+            "set",
+            "sms",
+            "--rate",
+            "10/s",
+            "--capacity",
+            "2",
+            "--allowed-base-url",
+            "http://127.0.0.1:9/",
+        ],
         &db.url,
     )
     .await;
@@ -18,7 +27,16 @@ async fn cli_creates_enqueues_lists_and_hits_capacity() {
     assert!(out.contains("\"rate\": \"10/s\""), "{out}");
 
     let (code, id, err) = cli(
-        &["enqueue", "sms", "--url", "http://127.0.0.1:9/send", "-H", "X-Tenant: 7", "-d", "hello"],
+        &[
+            "enqueue",
+            "sms",
+            "--url",
+            "http://127.0.0.1:9/send",
+            "-H",
+            "X-Tenant: 7",
+            "-d",
+            "hello",
+        ],
         &db.url,
     )
     .await;
@@ -36,7 +54,18 @@ async fn cli_creates_enqueues_lists_and_hits_capacity() {
     let body_file = std::env::temp_dir().join(format!("sluice-body-{id}.json"));
     std::fs::write(&body_file, "{\"a\":1}").expect("write");
     let data = format!("@{}", body_file.display());
-    let (code, _, err) = cli(&["enqueue", "sms", "--url", "http://127.0.0.1:9/", "-d", &data], &db.url).await;
+    let (code, _, err) = cli(
+        &[
+            "enqueue",
+            "sms",
+            "--url",
+            "http://127.0.0.1:9/",
+            "-d",
+            &data,
+        ],
+        &db.url,
+    )
+    .await;
     assert_eq!(code, 0, "{err}");
     let _ = std::fs::remove_file(&body_file);
 
@@ -49,13 +78,40 @@ async fn cli_creates_enqueues_lists_and_hits_capacity() {
     let (code, _, err) = cli(&["enqueue", "sms", "--url", "http://elsewhere/"], &db.url).await;
     assert_ne!(code, 0);
     assert!(err.contains("allowed_base_urls"), "{err}");
-    let (code, _, err) = cli(&["enqueue", "sms", "--url", "http://127.0.0.1:9/", "-H", "nocolon"], &db.url).await;
+    let (code, _, err) = cli(
+        &[
+            "enqueue",
+            "sms",
+            "--url",
+            "http://127.0.0.1:9/",
+            "-H",
+            "nocolon",
+        ],
+        &db.url,
+    )
+    .await;
     assert_ne!(code, 0);
     assert!(err.contains("Name: value"), "{err}");
-    let (code, _, err) = cli(&["enqueue", "ghost", "--url", "http://127.0.0.1:9/"], &db.url).await;
+    let (code, _, err) = cli(
+        &["enqueue", "ghost", "--url", "http://127.0.0.1:9/"],
+        &db.url,
+    )
+    .await;
     assert_ne!(code, 0);
     assert!(err.contains("does not exist"), "{err}");
-    let (code, _, err) = cli(&["destination", "set", "x", "--rate", "0/s", "--capacity", "1"], &db.url).await;
+    let (code, _, err) = cli(
+        &[
+            "destination",
+            "set",
+            "x",
+            "--rate",
+            "0/s",
+            "--capacity",
+            "1",
+        ],
+        &db.url,
+    )
+    .await;
     assert_ne!(code, 0);
     assert!(err.contains("0/s"), "{err}");
 
@@ -103,4 +159,55 @@ async fn cli_without_database_or_with_bad_config_fails_clearly() {
         .expect("run");
     assert_ne!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
+}
+
+/// The product as a user meets it: `sluice serve`, a destination over HTTP, jobs over
+/// HTTP, a real sink receiving them evenly spaced, and a clean exit on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_end_to_end() {
+    let db = TestDb::create().await;
+    let sink = crate::harness::Sink::ok().await;
+    let mut proc = crate::harness::Proc::spawn(&["serve"], &db.url, &[]).await;
+    let base = format!("http://{}", proc.addr.expect("serve prints its address"));
+    let http = reqwest::Client::new();
+    let r = http
+        .put(format!("{base}/v1/destinations/partner"))
+        .json(&serde_json::json!({"rate": "20/s", "capacity": 50}))
+        .send()
+        .await
+        .expect("put");
+    assert_eq!(r.status().as_u16(), 200);
+    for i in 0..10 {
+        let r = http
+            .post(format!("{base}/v1/destinations/partner/jobs"))
+            .json(&serde_json::json!({"url": sink.url("/in"), "json": {"i": i}}))
+            .send()
+            .await
+            .expect("enqueue");
+        assert_eq!(r.status().as_u16(), 202);
+    }
+    let got = sink
+        .wait_for("/in", 10, std::time::Duration::from_secs(10))
+        .await;
+    let span = got[9].at - got[0].at;
+    assert!(
+        span >= std::time::Duration::from_millis(430),
+        "10 jobs at 20/s took {span:?}"
+    );
+    let health = http
+        .get(format!("{base}/healthz"))
+        .send()
+        .await
+        .expect("health");
+    assert_eq!(health.status().as_u16(), 200);
+    proc.signal("TERM");
+    let status = tokio::time::timeout(std::time::Duration::from_secs(10), proc.child.wait())
+        .await
+        .expect("exits after SIGTERM")
+        .expect("wait");
+    assert!(
+        status.success(),
+        "exit {status:?}; log:\n{}",
+        proc.log_text()
+    );
 }

@@ -116,6 +116,9 @@ impl TestApp {
 
     /// The API with config tweaks and `dispatchers` in-process dispatchers.
     pub async fn start(tweak: impl FnOnce(&mut Config), dispatchers: usize) -> TestApp {
+        if std::env::var_os("TEST_LOG").is_some() {
+            sluice::telemetry::init();
+        }
         let db = TestDb::create().await;
         let mut config = test_config(&db.url);
         tweak(&mut config);
@@ -299,7 +302,11 @@ pub async fn check_counters(store: &Store) {
     .expect("counters");
     for (name, backlog, in_flight, open, running) in rows {
         assert_eq!(backlog, open, "{name}: backlog counter vs open jobs");
-        assert_eq!(i64::from(in_flight), running, "{name}: in_flight counter vs running jobs");
+        assert_eq!(
+            i64::from(in_flight),
+            running,
+            "{name}: in_flight counter vs running jobs"
+        );
     }
 }
 
@@ -372,7 +379,6 @@ type Behaviour = Arc<dyn Fn(&Arrival, usize) -> Reply + Send + Sync>;
 pub struct Sink {
     pub addr: SocketAddr,
     arrivals: Arc<Mutex<Vec<Arrival>>>,
-    in_flight: Arc<AtomicUsize>,
     max_in_flight: Arc<AtomicUsize>,
     stop: CancellationToken,
 }
@@ -400,7 +406,9 @@ impl Sink {
                 let now = fl.fetch_add(1, Ordering::SeqCst) + 1;
                 mx.fetch_max(now, Ordering::SeqCst);
                 let (parts, body) = req.into_parts();
-                let body = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+                let body = axum::body::to_bytes(body, usize::MAX)
+                    .await
+                    .unwrap_or_default();
                 let arrival = Arrival {
                     at,
                     method: parts.method.to_string(),
@@ -441,7 +449,6 @@ impl Sink {
         Sink {
             addr,
             arrivals,
-            in_flight,
             max_in_flight,
             stop,
         }
@@ -457,15 +464,14 @@ impl Sink {
 
     /// Arrivals whose path is `path`.
     pub fn arrivals_at(&self, path: &str) -> Vec<Arrival> {
-        self.arrivals().into_iter().filter(|a| a.path == path).collect()
+        self.arrivals()
+            .into_iter()
+            .filter(|a| a.path == path)
+            .collect()
     }
 
     pub fn max_in_flight(&self) -> usize {
         self.max_in_flight.load(Ordering::SeqCst)
-    }
-
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst)
     }
 
     /// Waits until `n` requests arrived at `path`.
@@ -494,7 +500,10 @@ impl Drop for Sink {
 
 /// Gaps between consecutive instants.
 pub fn gaps(times: &[Instant]) -> Vec<Duration> {
-    times.windows(2).map(|w| w[1].duration_since(w[0])).collect()
+    times
+        .windows(2)
+        .map(|w| w[1].duration_since(w[0]))
+        .collect()
 }
 
 /// Most instants within any inclusive window of length `w`.
@@ -544,7 +553,12 @@ impl Proc {
             let mut lines = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = lines.next_line().await {
                 if let Some(rest) = line.split("listening on http://").nth(1) {
-                    if let Ok(a) = rest.split_whitespace().next().unwrap_or("").parse::<SocketAddr>() {
+                    if let Ok(a) = rest
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or("")
+                        .parse::<SocketAddr>()
+                    {
                         let _ = addr_tx.send(Some(a));
                     }
                 }
