@@ -28,6 +28,22 @@ CREATE TABLE sluice_destinations (
     backoff_base_ms   bigint  NOT NULL CHECK (backoff_base_ms > 0),
     backoff_cap_ms    bigint  NOT NULL CHECK (backoff_cap_ms >= backoff_base_ms),
     paused            boolean NOT NULL DEFAULT false,
+    -- Throttling policy (see src/throttle.rs).
+    retry_after_max_ms       bigint  NOT NULL DEFAULT 3600000 CHECK (retry_after_max_ms > 0),
+    throttle_floor_ms        bigint  NOT NULL DEFAULT 1000 CHECK (throttle_floor_ms >= 0),
+    throttle_backoff_base_ms bigint  NOT NULL DEFAULT 1000 CHECK (throttle_backoff_base_ms > 0),
+    throttle_backoff_cap_ms  bigint  NOT NULL DEFAULT 300000,
+    max_throttles            integer NOT NULL DEFAULT 100 CHECK (max_throttles >= 1),
+    ratelimit_reset          text    CHECK (ratelimit_reset IN ('delta', 'epoch')),
+    adaptive_rate            boolean NOT NULL DEFAULT false,
+    -- The interval claims use: interval_us, or longer while adaptive_rate backs off.
+    effective_interval_us    bigint  NOT NULL CHECK (effective_interval_us > 0),
+    -- Throttling state: consecutive throttles (drives the no-hint backoff), totals, and
+    -- the instant the latest throttle holds the destination until.
+    throttle_streak          integer NOT NULL DEFAULT 0,
+    throttled_total          bigint  NOT NULL DEFAULT 0,
+    last_retry_after_ms      bigint,
+    throttled_until_us       bigint,
     -- GCRA state: the earliest instant of the next release (before burst tolerance).
     next_slot_us      bigint  NOT NULL DEFAULT 0,
     -- When the destination next has work a dispatcher could claim, or NULL when it has
@@ -65,6 +81,7 @@ CREATE TABLE sluice_jobs (
     attempts         integer NOT NULL DEFAULT 0,
     max_attempts     integer NOT NULL CHECK (max_attempts >= 1),
     throttles        integer NOT NULL DEFAULT 0,
+    last_retry_after_ms bigint,
     cost             integer NOT NULL DEFAULT 1 CHECK (cost >= 1),
     -- Queue order and earliest release: enqueue time, not_before, or the end of a backoff.
     -- A throttled or rescued job keeps its run_at, so it returns to the head of its line.

@@ -93,7 +93,7 @@ pub struct EnqueueArgs {
 #[derive(Debug, Subcommand)]
 pub enum DestinationCommand {
     /// Create or replace a destination's settings (unset options take their defaults).
-    Set(SetArgs),
+    Set(Box<SetArgs>),
     /// Show one destination as JSON.
     Show {
         /// Destination name.
@@ -143,6 +143,27 @@ pub struct SetArgs {
     /// Retry backoff cap in milliseconds [default: 300000].
     #[arg(long)]
     pub backoff_cap_ms: Option<u64>,
+    /// Longest downstream wait hint honoured, ms [default: 3600000].
+    #[arg(long)]
+    pub retry_after_max_ms: Option<u64>,
+    /// Least wait after a 429, ms [default: 1000].
+    #[arg(long)]
+    pub throttle_floor_ms: Option<u64>,
+    /// First wait after a 429 without a hint, ms; doubles per consecutive 429 [default: 1000].
+    #[arg(long)]
+    pub throttle_backoff_base_ms: Option<u64>,
+    /// Cap of that backoff, ms [default: 300000].
+    #[arg(long)]
+    pub throttle_backoff_cap_ms: Option<u64>,
+    /// Throttles a job may take before it is dead [default: 100].
+    #[arg(long)]
+    pub max_throttles: Option<u32>,
+    /// Read X-RateLimit-Reset as delta or epoch seconds [default: ignore those headers].
+    #[arg(long, value_parser = ["delta", "epoch"])]
+    pub ratelimit_reset: Option<String>,
+    /// Lower the rate on repeated 429s, recover it on success.
+    #[arg(long)]
+    pub adaptive_rate: bool,
 }
 
 /// `sluice jobs ...`.
@@ -328,6 +349,16 @@ async fn destination(config: &Config, cmd: DestinationCommand) -> anyhow::Result
                 max_attempts: a.max_attempts,
                 backoff_base_ms: a.backoff_base_ms,
                 backoff_cap_ms: a.backoff_cap_ms,
+                retry_after_max_ms: a.retry_after_max_ms,
+                throttle_floor_ms: a.throttle_floor_ms,
+                throttle_backoff_base_ms: a.throttle_backoff_base_ms,
+                throttle_backoff_cap_ms: a.throttle_backoff_cap_ms,
+                max_throttles: a.max_throttles,
+                ratelimit_reset: a
+                    .ratelimit_reset
+                    .as_deref()
+                    .and_then(crate::throttle::ResetUnit::parse),
+                adaptive_rate: Some(a.adaptive_rate),
                 paused: None,
             };
             let spec = cfg

@@ -10,6 +10,7 @@ use reqwest::Url;
 use serde::{Deserialize, Serialize};
 
 use crate::rate::{Gcra, Rate};
+use crate::throttle::{ResetUnit, ThrottlePolicy};
 
 /// A destination name: `[A-Za-z0-9._:-]{1,128}` (DESIGN vocabulary).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -67,6 +68,16 @@ pub mod defaults {
     pub const BACKOFF_BASE_MS: u64 = 1_000;
     /// Retries never wait longer than this.
     pub const BACKOFF_CAP_MS: u64 = 300_000;
+    /// Longest downstream wait hint honoured (longer ones are clamped).
+    pub const RETRY_AFTER_MAX_MS: u64 = 3_600_000;
+    /// Least wait after a 429, whatever the hint.
+    pub const THROTTLE_FLOOR_MS: u64 = 1_000;
+    /// First wait after a 429 without a hint; doubles per consecutive 429.
+    pub const THROTTLE_BACKOFF_BASE_MS: u64 = 1_000;
+    /// Cap of the no-hint 429 backoff.
+    pub const THROTTLE_BACKOFF_CAP_MS: u64 = 300_000;
+    /// Throttles one job may take before it is dead-lettered.
+    pub const MAX_THROTTLES: u32 = 100;
 }
 
 /// A destination as a user writes it. Only `rate` and `capacity` are required.
@@ -98,6 +109,28 @@ pub struct DestinationConfig {
     /// Cap of the exponential retry backoff, in milliseconds.
     #[serde(default)]
     pub backoff_cap_ms: Option<u64>,
+    /// Longest downstream wait hint honoured, in milliseconds.
+    #[serde(default)]
+    pub retry_after_max_ms: Option<u64>,
+    /// Least wait after a 429, in milliseconds.
+    #[serde(default)]
+    pub throttle_floor_ms: Option<u64>,
+    /// First wait after a 429 without a hint; doubles per consecutive 429.
+    #[serde(default)]
+    pub throttle_backoff_base_ms: Option<u64>,
+    /// Cap of the no-hint 429 backoff.
+    #[serde(default)]
+    pub throttle_backoff_cap_ms: Option<u64>,
+    /// Throttles a job may take before it is dead-lettered.
+    #[serde(default)]
+    pub max_throttles: Option<u32>,
+    /// How to read `X-RateLimit-Reset`: `"delta"` or `"epoch"` seconds; unset ignores
+    /// the X-RateLimit headers.
+    #[serde(default)]
+    pub ratelimit_reset: Option<ResetUnit>,
+    /// Lower the rate on repeated 429s and recover it on success (off by default).
+    #[serde(default)]
+    pub adaptive_rate: Option<bool>,
     /// Whether the dispatcher holds this destination's jobs. `None` keeps the current
     /// value on update (and means "not paused" on create).
     #[serde(default)]
@@ -144,6 +177,16 @@ pub struct DestinationSpec {
     pub backoff_base_ms: i64,
     /// Retry backoff cap.
     pub backoff_cap_ms: i64,
+    /// How throttling signals are read.
+    pub throttle: ThrottlePolicy,
+    /// No-hint 429 backoff base.
+    pub throttle_backoff_base_ms: i64,
+    /// No-hint 429 backoff cap.
+    pub throttle_backoff_cap_ms: i64,
+    /// Throttles per job before it is dead.
+    pub max_throttles: i32,
+    /// Adaptive rate on or off.
+    pub adaptive_rate: bool,
     /// `Some` to set the paused flag, `None` to keep it.
     pub paused: Option<bool>,
 }
@@ -219,6 +262,29 @@ impl DestinationConfig {
                 format!("{burst} bursts at {} span more than 31 years", self.rate),
             ));
         }
+        let retry_after_max = self
+            .retry_after_max_ms
+            .unwrap_or(defaults::RETRY_AFTER_MAX_MS);
+        ms_range("retry_after_max_ms", retry_after_max, 1_000, 7 * 86_400_000)?;
+        let floor = self
+            .throttle_floor_ms
+            .unwrap_or(defaults::THROTTLE_FLOOR_MS);
+        ms_range("throttle_floor_ms", floor, 0, retry_after_max)?;
+        let tb_base = self
+            .throttle_backoff_base_ms
+            .unwrap_or(defaults::THROTTLE_BACKOFF_BASE_MS);
+        ms_range("throttle_backoff_base_ms", tb_base, 1, 86_400_000)?;
+        let tb_cap = self
+            .throttle_backoff_cap_ms
+            .unwrap_or(defaults::THROTTLE_BACKOFF_CAP_MS.max(tb_base));
+        ms_range("throttle_backoff_cap_ms", tb_cap, tb_base, 86_400_000)?;
+        let max_throttles = self.max_throttles.unwrap_or(defaults::MAX_THROTTLES);
+        if !(1..=100_000).contains(&max_throttles) {
+            return Err(FieldError::new(
+                "max_throttles",
+                format!("{max_throttles} is out of range (1 to 100000)"),
+            ));
+        }
         let mut allowed = Vec::with_capacity(self.allowed_base_urls.len());
         for (i, raw) in self.allowed_base_urls.iter().enumerate() {
             let base = parse_base_url(raw)
@@ -235,8 +301,28 @@ impl DestinationConfig {
             max_attempts: max_attempts as i32,
             backoff_base_ms: base as i64,
             backoff_cap_ms: cap as i64,
+            throttle: ThrottlePolicy {
+                retry_after_max_ms: retry_after_max as i64,
+                throttle_floor_ms: floor as i64,
+                ratelimit_reset: self.ratelimit_reset,
+            },
+            throttle_backoff_base_ms: tb_base as i64,
+            throttle_backoff_cap_ms: tb_cap as i64,
+            max_throttles: max_throttles as i32,
+            adaptive_rate: self.adaptive_rate.unwrap_or(false),
             paused: self.paused,
         })
+    }
+}
+
+fn ms_range(field: &str, v: u64, lo: u64, hi: u64) -> Result<(), FieldError> {
+    if (lo..=hi).contains(&v) {
+        Ok(())
+    } else {
+        Err(FieldError::new(
+            field,
+            format!("{v} is out of range ({lo} to {hi})"),
+        ))
     }
 }
 

@@ -278,8 +278,10 @@ pub struct Job {
     pub attempts: i32,
     /// Attempts allowed before the job is dead.
     pub max_attempts: i32,
-    /// Times the downstream throttled this job (429/503 with a wait hint).
+    /// Times the downstream throttled this job (429, or 503 with Retry-After).
     pub throttles: i32,
+    /// The wait the latest throttle asked for, in milliseconds (after floor and cap).
+    pub last_retry_after_ms: Option<i64>,
     /// The job is not released before this (enqueue time, `not_before`, or a backoff).
     #[serde(serialize_with = "ser_ts")]
     pub run_at: Micros,

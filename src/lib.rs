@@ -13,6 +13,7 @@
 //! | [`store`] | the only place SQL lives: admission, claim, completion |
 //! | [`dispatcher`] | claim loop, precise release thread, delivery tasks, batched completions |
 //! | [`delivery`] | one shared reqwest client; bounded response reads |
+//! | [`throttle`] | reading Retry-After / RateLimit / X-RateLimit: pure, fuzzed |
 //! | [`api`] | axum routes, JSON errors, bearer auth |
 //! | [`app`] | process wiring for `serve` / `worker` |
 //! | [`config`] | defaults → `config.toml` → environment, validated at boot |
@@ -42,4 +43,5 @@ pub mod rate;
 pub mod shutdown;
 pub mod store;
 pub mod telemetry;
+pub mod throttle;
 pub mod timestamp;

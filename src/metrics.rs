@@ -24,6 +24,8 @@ pub struct Metrics {
     pub expired: AtomicU64,
     /// Claims returned unreleased (shutdown, late timer, throttle shift).
     pub returned: AtomicU64,
+    /// Responses that throttled their job (429, 503 with Retry-After).
+    pub throttled: AtomicU64,
     /// Releases abandoned because the timer fired too late to keep the spacing.
     pub late: AtomicU64,
     /// Claim transactions run.
@@ -41,7 +43,12 @@ impl Metrics {
     /// Renders the Prometheus text exposition format.
     pub fn render(&self, destinations: &[DestinationStatus]) -> String {
         let mut out = String::with_capacity(2_048 + destinations.len() * 512);
-        let counters: [(&str, &str, &AtomicU64); 9] = [
+        let counters: [(&str, &str, &AtomicU64); 10] = [
+            (
+                "sluice_throttled_total",
+                "Responses that throttled their job.",
+                &self.throttled,
+            ),
             (
                 "sluice_released_total",
                 "Jobs released by this process.",

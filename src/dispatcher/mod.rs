@@ -28,7 +28,9 @@ use crate::config::DispatcherConfig;
 use crate::delivery::Deliverer;
 use crate::metrics::Metrics;
 use crate::rate::Micros;
-use crate::store::{ClaimParams, ClaimedJob, Completion, Outcome, Store, WAKE_CHANNEL};
+use crate::store::{
+    ClaimParams, ClaimedJob, Completion, Outcome, Store, THROTTLE_CHANNEL, WAKE_CHANNEL,
+};
 
 mod clock;
 mod completer;
@@ -142,9 +144,11 @@ impl Dispatcher {
         let jobs = TaskTracker::new();
         let stop_background = CancellationToken::new();
 
+        let (throttle_tx, mut throttle_rx) = mpsc::unbounded_channel::<(i64, Micros)>();
         background.spawn(listen(
             self.store.clone(),
             wake.clone(),
+            throttle_tx,
             stop_background.clone(),
         ));
         let (done_tx, done_rx) = mpsc::unbounded_channel::<Completion>();
@@ -206,10 +210,7 @@ impl Dispatcher {
                     for job in claim.jobs {
                         let Ok(permit) = permits.clone().try_acquire_owned() else {
                             // Cannot happen (we claimed at most `free`); return it if it does.
-                            let _ = done_tx.send(Completion {
-                                job: Arc::new(job),
-                                outcome: Outcome::Returned,
-                            });
+                            let _ = done_tx.send(Completion::new(Arc::new(job), Outcome::Returned));
                             continue;
                         };
                         self.start_job(job, &c, &timer, &deliverer, &done_tx, permit, &jobs);
@@ -246,6 +247,13 @@ impl Dispatcher {
                 _ = shutdown.cancelled() => break,
                 _ = wake.notified() => {}
                 _ = tokio::time::sleep_until(wake_at.into()) => {}
+                Some((destination, until_us)) = throttle_rx.recv() => {
+                    // Another dispatcher (or this one) moved the destination's next_slot:
+                    // give back every claim of ours that would go before it.
+                    if let Some(c) = clock {
+                        timer.revoke(destination, c.instant_at(until_us));
+                    }
+                }
             }
         }
 
@@ -290,6 +298,7 @@ impl Dispatcher {
             reply,
         });
         let job = Arc::new(job);
+        let timer = timer.clone();
         let deliverer = deliverer.clone();
         let done_tx = done_tx.clone();
         let metrics = self.metrics.clone();
@@ -298,7 +307,7 @@ impl Dispatcher {
         tracker.spawn(async move {
             let _permit = permit;
             let prepared = deliverer.prepare(&job);
-            let outcome = match verdict.await {
+            let (outcome, shift) = match verdict.await {
                 Ok(Release::Go(at)) => {
                     Metrics::inc(&metrics.released);
                     if let Some(obs) = &observer {
@@ -311,21 +320,21 @@ impl Dispatcher {
                         });
                     }
                     if job.deadline_us.is_some_and(|d| d <= clock.us_at(at)) {
-                        Outcome::Expired
+                        (Outcome::Expired, None)
                     } else {
                         let result = match prepared {
                             Ok(p) => deliverer.execute(p).await,
                             Err(e) => Err(e),
                         };
-                        retry::classify(&job, result)
+                        retry::classify(&job, result, std::time::SystemTime::now())
                     }
                 }
                 Ok(Release::Late(by)) => {
                     Metrics::inc(&metrics.late);
                     tracing::debug!(job = %job.id, late_us = by.as_micros() as u64, "release too late; returning the job");
-                    Outcome::Returned
+                    (Outcome::Returned, None)
                 }
-                Ok(Release::Revoked) | Err(_) => Outcome::Returned,
+                Ok(Release::Revoked) | Err(_) => (Outcome::Returned, None),
             };
             match &outcome {
                 Outcome::Succeeded { .. } => Metrics::inc(&metrics.succeeded),
@@ -333,15 +342,36 @@ impl Dispatcher {
                 Outcome::Dead { .. } => Metrics::inc(&metrics.dead),
                 Outcome::Expired => Metrics::inc(&metrics.expired),
                 Outcome::Returned => Metrics::inc(&metrics.returned),
+                Outcome::Throttled { .. } => Metrics::inc(&metrics.throttled),
             }
-            let _ = done_tx.send(Completion { job, outcome });
+            let destination = job.destination_id;
+            let hold = shift.map(|s| {
+                let ms = s.delay_ms.unwrap_or(job.throttle.throttle_floor_ms).max(0);
+                Instant::now() + Duration::from_millis(ms as u64)
+            });
+            if let Some(s) = &shift {
+                tracing::info!(destination = %job.destination, job = %job.id, delay_ms = ?s.delay_ms, source = ?s.source, capped = s.capped, "downstream asked to slow down");
+            }
+            // Record the outcome before withdrawing other claims, so the shift of
+            // next_slot is written no later than the claims it returns.
+            let _ = done_tx.send(Completion { job, outcome, shift });
+            if let Some(until) = hold {
+                timer.revoke(destination, until);
+            }
         });
     }
 }
 
-/// Forwards `NOTIFY sluice_wake` to the claim loop. On a lost connection it wakes the
-/// loop anyway (notifications may have been missed) and lets sqlx reconnect.
-async fn listen(store: Store, wake: Arc<Notify>, stop: CancellationToken) {
+/// Forwards `NOTIFY sluice_wake` to the claim loop, and `NOTIFY sluice_throttle`
+/// (a destination's next_slot moved) as `(destination, next_slot_us)`. On a lost
+/// connection it wakes the loop anyway (notifications may have been missed) and lets sqlx
+/// reconnect.
+async fn listen(
+    store: Store,
+    wake: Arc<Notify>,
+    throttles: mpsc::UnboundedSender<(i64, Micros)>,
+    stop: CancellationToken,
+) {
     let mut failures = 0u32;
     while !stop.is_cancelled() {
         let mut listener = match sqlx::postgres::PgListener::connect_with(store.pool()).await {
@@ -358,7 +388,7 @@ async fn listen(store: Store, wake: Arc<Notify>, stop: CancellationToken) {
                 }
             }
         };
-        if let Err(e) = listener.listen(WAKE_CHANNEL).await {
+        if let Err(e) = listener.listen_all([WAKE_CHANNEL, THROTTLE_CHANNEL]).await {
             tracing::warn!(error = %e, "LISTEN failed");
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -371,6 +401,13 @@ async fn listen(store: Store, wake: Arc<Notify>, stop: CancellationToken) {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 msg = listener.try_recv() => match msg {
+                    Ok(Some(n)) if n.channel() == THROTTLE_CHANNEL => {
+                        if let Some((d, s)) = n.payload().split_once(':') {
+                            if let (Ok(d), Ok(s)) = (d.parse(), s.parse()) {
+                                let _ = throttles.send((d, s));
+                            }
+                        }
+                    }
                     Ok(Some(_)) => wake.notify_one(),
                     // Connection lost: sqlx reconnects on the next call; we may have
                     // missed notifications, so look for work now.

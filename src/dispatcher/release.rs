@@ -69,8 +69,8 @@ enum Command {
     },
 }
 
-/// Handle to the release thread. Dropping it revokes every pending ticket.
-#[derive(Debug)]
+/// Handle to the release thread. Dropping every handle revokes every pending ticket.
+#[derive(Debug, Clone)]
 pub struct ReleaseTimer {
     tx: mpsc::Sender<Command>,
 }
@@ -91,7 +91,9 @@ impl ReleaseTimer {
         let _ = self.tx.send(Command::Schedule(ticket));
     }
 
-    /// Withdraws a destination's tickets with slots before `before`.
+    /// Withdraws a destination's tickets with slots before `before`, and holds it: any
+    /// ticket for it scheduled later with a slot before `before` is withdrawn at once
+    /// (a claim that raced with a throttle).
     pub fn revoke(&self, destination_id: i64, before: Instant) {
         let _ = self.tx.send(Command::Revoke {
             destination_id: Some(destination_id),
@@ -120,6 +122,8 @@ struct Worker {
     tat: HashMap<i64, Instant>,
     /// Pending tickets per destination.
     pending: HashMap<i64, usize>,
+    /// Destinations held by a throttle: no release before the instant.
+    holds: HashMap<i64, Instant>,
     seq: u64,
 }
 
@@ -132,6 +136,7 @@ impl Worker {
             tickets: HashMap::new(),
             tat: HashMap::new(),
             pending: HashMap::new(),
+            holds: HashMap::new(),
             seq: 0,
         }
     }
@@ -203,6 +208,14 @@ impl Worker {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Schedule(t) => {
+                if self
+                    .holds
+                    .get(&t.destination_id)
+                    .is_some_and(|h| t.slot < *h)
+                {
+                    let _ = t.reply.send(Release::Revoked);
+                    return;
+                }
                 *self.pending.entry(t.destination_id).or_default() += 1;
                 self.seq += 1;
                 self.heap.push(Reverse((t.slot, self.seq)));
@@ -211,7 +224,15 @@ impl Worker {
             Command::Revoke {
                 destination_id,
                 before,
-            } => self.revoke(destination_id, before),
+            } => {
+                if let (Some(d), Some(b)) = (destination_id, before) {
+                    let now = Instant::now();
+                    self.holds.retain(|_, h| *h > now);
+                    let h = self.holds.entry(d).or_insert(b);
+                    *h = (*h).max(b);
+                }
+                self.revoke(destination_id, before)
+            }
         }
     }
 
@@ -352,6 +373,22 @@ mod tests {
         assert_eq!(rx_a.await.expect("reply"), Release::Revoked);
         timer.revoke_all();
         assert_eq!(rx_b.await.expect("reply"), Release::Revoked);
+    }
+
+    #[tokio::test]
+    async fn a_hold_withdraws_later_tickets_before_it() {
+        let timer = ReleaseTimer::start(Duration::from_micros(300)).expect("thread");
+        let now = Instant::now();
+        timer.revoke(3, now + Duration::from_secs(10));
+        let (early, rx_early) = ticket(now + Duration::from_secs(1), 3, 1_000);
+        let (other, rx_other) = ticket(now + Duration::from_millis(5), 4, 1_000);
+        timer.schedule(early);
+        timer.schedule(other);
+        assert_eq!(rx_early.await.expect("reply"), Release::Revoked);
+        assert!(
+            matches!(rx_other.await.expect("reply"), Release::Go(_)),
+            "other destinations unaffected"
+        );
     }
 
     #[tokio::test]

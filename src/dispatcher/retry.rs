@@ -1,7 +1,11 @@
-//! What an attempt's result means for the job: pure policy, unit-tested.
+//! What an attempt's result means for the job and its destination: pure policy,
+//! unit-tested.
+
+use std::time::SystemTime;
 
 use crate::delivery::{DeliveryError, Response};
 use crate::store::{ClaimedJob, Outcome};
+use crate::throttle::{self, Shift, Source};
 
 /// Exponential backoff with full jitter: a uniformly random delay in
 /// `[0, min(cap, base * 2^(attempt - 1))]`. Full jitter spreads retries of jobs that
@@ -17,9 +21,69 @@ pub fn backoff_us(base_ms: i64, cap_ms: i64, attempt: i32, unit_random: f64) -> 
     (ceiling_us as f64 * unit_random.clamp(0.0, 1.0)) as i64
 }
 
-/// Classifies an attempt. `throttle` decides 429/503 handling (the Throttling issue
-/// plugs Retry-After in there); here they are ordinary retryable failures.
-pub fn classify(job: &ClaimedJob, result: Result<Response, DeliveryError>) -> Outcome {
+/// Classifies an attempt received at `received`: the job's outcome, and how the response
+/// moves the destination's `next_slot` (see [`crate::throttle`]).
+pub fn classify(
+    job: &ClaimedJob,
+    result: Result<Response, DeliveryError>,
+    received: SystemTime,
+) -> (Outcome, Option<Shift>) {
+    let resp = match result {
+        Ok(resp) => resp,
+        Err(e) => return (classify_status(job, Err(e)), None),
+    };
+    let reading = throttle::read(resp.status, &resp.headers, received, &job.throttle);
+    if !reading.throttled {
+        return (classify_status(job, Ok(resp)), reading.shift);
+    }
+    let hint_ms = reading.shift.and_then(|s| s.delay_ms);
+    let why = match reading.shift {
+        Some(Shift {
+            delay_ms: Some(ms),
+            source,
+            capped,
+        }) => format!(
+            "HTTP {}: throttled, destination waits {ms} ms ({}{})",
+            resp.status,
+            match source {
+                Source::RetryAfter => "Retry-After",
+                Source::RateLimit => "RateLimit",
+                Source::XRateLimit => "X-RateLimit-Reset",
+                Source::Backoff => "backoff",
+            },
+            if capped {
+                ", capped at retry_after_max_ms"
+            } else {
+                ""
+            }
+        ),
+        _ => format!(
+            "HTTP {}: throttled without a wait hint; destination backs off",
+            resp.status
+        ),
+    };
+    let outcome = if job.throttles.saturating_add(1) >= job.max_throttles {
+        Outcome::Dead {
+            status: Some(resp.status),
+            error: format!(
+                "{why}; throttled {} times (max_throttles)",
+                job.throttles + 1
+            ),
+            snippet: resp.snippet,
+        }
+    } else {
+        Outcome::Throttled {
+            status: resp.status,
+            error: why,
+            snippet: resp.snippet,
+            retry_after_ms: hint_ms,
+        }
+    };
+    (outcome, reading.shift)
+}
+
+/// The outcome by status and transport error alone (no throttling signals).
+fn classify_status(job: &ClaimedJob, result: Result<Response, DeliveryError>) -> Outcome {
     let retry_or_dead = |status: Option<u16>, error: String, snippet: Option<String>| {
         if job.attempts >= job.max_attempts {
             Outcome::Dead {
@@ -68,9 +132,10 @@ pub fn classify(job: &ClaimedJob, result: Result<Response, DeliveryError>) -> Ou
     }
 }
 
-/// 408, 429 and every 5xx may succeed later; other statuses will not.
+/// 408 and every 5xx may succeed later; other statuses will not (429 is a throttle,
+/// handled before this).
 pub fn is_retryable_status(status: u16) -> bool {
-    status == 408 || status == 429 || (500..600).contains(&status)
+    status == 408 || (500..600).contains(&status)
 }
 
 #[cfg(test)]
@@ -99,8 +164,15 @@ mod tests {
             body: None,
             attempts,
             max_attempts,
+            throttles: 0,
+            max_throttles: 3,
+            throttle: crate::throttle::ThrottlePolicy::default(),
             deadline_us: None,
         }
+    }
+
+    fn outcome(job: &ClaimedJob, r: Result<Response, DeliveryError>) -> Outcome {
+        classify(job, r, SystemTime::now()).0
     }
 
     fn resp(status: u16) -> Result<Response, DeliveryError> {
@@ -127,34 +199,90 @@ mod tests {
     #[test]
     fn outcomes_by_status() {
         assert!(matches!(
-            classify(&job(1, 3), resp(200)),
+            outcome(&job(1, 3), resp(200)),
             Outcome::Succeeded { status: 200, .. }
         ));
         assert!(matches!(
-            classify(&job(1, 3), resp(204)),
+            outcome(&job(1, 3), resp(204)),
             Outcome::Succeeded { .. }
         ));
         for s in [500, 502, 503, 504, 408, 429] {
             assert!(
-                matches!(classify(&job(1, 3), resp(s)), Outcome::Retry { .. }),
+                matches!(outcome(&job(1, 3), resp(s)), Outcome::Retry { .. }),
                 "{s}"
             );
             assert!(
-                matches!(classify(&job(3, 3), resp(s)), Outcome::Dead { .. }),
+                matches!(outcome(&job(3, 3), resp(s)), Outcome::Dead { .. }),
                 "{s}"
             );
         }
         for s in [400, 401, 403, 404, 410, 422, 301, 302, 100] {
             assert!(
-                matches!(classify(&job(1, 3), resp(s)), Outcome::Dead { .. }),
+                matches!(outcome(&job(1, 3), resp(s)), Outcome::Dead { .. }),
                 "{s}"
             );
         }
     }
 
     #[test]
+    fn throttles_do_not_spend_attempts_until_max_throttles() {
+        let mut h = HeaderMap::new();
+        h.insert("retry-after", "2".parse().expect("value"));
+        let r = || {
+            Ok(Response {
+                status: 429,
+                headers: h.clone(),
+                snippet: None,
+            })
+        };
+        // Even on the last attempt a throttle is not a failure.
+        let (o, shift) = classify(&job(3, 3), r(), SystemTime::now());
+        assert!(
+            matches!(
+                o,
+                Outcome::Throttled {
+                    status: 429,
+                    retry_after_ms: Some(2_000),
+                    ..
+                }
+            ),
+            "{o:?}"
+        );
+        assert_eq!(shift.and_then(|s| s.delay_ms), Some(2_000));
+        let mut j = job(1, 3);
+        j.throttles = 2;
+        let (o, shift) = classify(&j, r(), SystemTime::now());
+        assert!(
+            matches!(o, Outcome::Dead { .. }),
+            "max_throttles reached: {o:?}"
+        );
+        assert!(shift.is_some(), "the destination still waits");
+        // 503 with Retry-After throttles; without, it is a failure.
+        let (o, _) = classify(
+            &job(1, 3),
+            Ok(Response {
+                status: 503,
+                headers: h.clone(),
+                snippet: None,
+            }),
+            SystemTime::now(),
+        );
+        assert!(matches!(o, Outcome::Throttled { .. }));
+        // 429 without any hint: throttled, destination backs off.
+        let (o, shift) = classify(&job(1, 3), resp(429), SystemTime::now());
+        assert!(matches!(
+            o,
+            Outcome::Throttled {
+                retry_after_ms: None,
+                ..
+            }
+        ));
+        assert_eq!(shift.map(|s| s.source), Some(Source::Backoff));
+    }
+
+    #[test]
     fn network_errors() {
-        let e = |e: DeliveryError| classify(&job(1, 3), Err(e));
+        let e = |e: DeliveryError| outcome(&job(1, 3), Err(e));
         assert!(matches!(
             e(DeliveryError::Timeout(5)),
             Outcome::Retry { .. }
@@ -172,7 +300,7 @@ mod tests {
             Outcome::Dead { .. }
         ));
         assert!(matches!(
-            classify(&job(3, 3), Err(DeliveryError::Timeout(5))),
+            outcome(&job(3, 3), Err(DeliveryError::Timeout(5))),
             Outcome::Dead { .. }
         ));
     }

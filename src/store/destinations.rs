@@ -33,6 +33,25 @@ pub struct DestinationStatus {
     pub backoff_base_ms: i64,
     /// Retry backoff cap.
     pub backoff_cap_ms: i64,
+    /// Longest downstream wait hint honoured.
+    pub retry_after_max_ms: i64,
+    /// Least wait after a 429.
+    pub throttle_floor_ms: i64,
+    /// No-hint 429 backoff base.
+    pub throttle_backoff_base_ms: i64,
+    /// No-hint 429 backoff cap.
+    pub throttle_backoff_cap_ms: i64,
+    /// Throttles per job before it is dead.
+    pub max_throttles: i32,
+    /// How `X-RateLimit-Reset` is read (`delta`, `epoch`, or null: ignored).
+    pub ratelimit_reset: Option<String>,
+    /// Whether the rate adapts to repeated 429s.
+    pub adaptive_rate: bool,
+    /// The rate claims currently use, per second (the configured one unless adaptive
+    /// rate has lowered it).
+    pub effective_rate_per_second: f64,
+    /// Interval behind `effective_rate_per_second`.
+    pub effective_interval_us: i64,
     /// Whether the dispatcher holds this destination's jobs.
     pub paused: bool,
     /// Jobs waiting for a slot.
@@ -43,6 +62,17 @@ pub struct DestinationStatus {
     pub backlog: i64,
     /// Enqueues rejected because the destination was full.
     pub rejected_total: i64,
+    /// Responses that throttled (429, 503 with Retry-After) or announced exhaustion.
+    pub throttled_total: i64,
+    /// Consecutive throttles (drives the no-hint backoff; reset by a success).
+    pub throttle_streak: i32,
+    /// The latest wait hint honoured, in milliseconds.
+    pub last_retry_after_ms: Option<i64>,
+    /// Until when the latest throttle holds the destination (null if never throttled).
+    #[serde(serialize_with = "ser_opt_ts")]
+    pub throttled_until: Option<Micros>,
+    /// Whether a throttle holds the destination right now.
+    pub throttled: bool,
     /// Earliest next release (GCRA theoretical arrival time).
     #[serde(serialize_with = "ser_ts")]
     pub next_slot: Micros,
@@ -60,12 +90,24 @@ fn ser_ts<S: serde::Serializer>(us: &Micros, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&format_us(*us))
 }
 
+fn ser_opt_ts<S: serde::Serializer>(us: &Option<Micros>, s: S) -> Result<S::Ok, S::Error> {
+    match us {
+        Some(us) => s.serialize_str(&format_us(*us)),
+        None => s.serialize_none(),
+    }
+}
+
 /// Columns of [`DestinationStatus`], as a literal so statements stay `&'static str`.
 macro_rules! status_columns {
     () => {
         "name, rate, interval_us, burst, capacity, max_in_flight, allowed_base_urls, timeout_ms,
-    max_attempts, backoff_base_ms, backoff_cap_ms, paused,
-    backlog - in_flight AS queued, in_flight, backlog, rejected_total,
+    max_attempts, backoff_base_ms, backoff_cap_ms, retry_after_max_ms, throttle_floor_ms,
+    throttle_backoff_base_ms, throttle_backoff_cap_ms, max_throttles, ratelimit_reset,
+    adaptive_rate, 1000000.0::float8 / effective_interval_us AS effective_rate_per_second,
+    effective_interval_us, paused,
+    backlog - in_flight AS queued, in_flight, backlog, rejected_total, throttled_total,
+    throttle_streak, last_retry_after_ms, throttled_until_us AS throttled_until,
+    coalesce(throttled_until_us > sluice_now_us(), false) AS throttled,
     next_slot_us AS next_slot,
     greatest(0, (next_slot_us - sluice_now_us()) / 1000) AS delay_ms,
     created_at_us AS created_at, updated_at_us AS updated_at"
@@ -85,8 +127,12 @@ impl Store {
         sqlx::query(
             "INSERT INTO sluice_destinations AS d
                  (name, rate, interval_us, burst, capacity, max_in_flight, allowed_base_urls,
-                  timeout_ms, max_attempts, backoff_base_ms, backoff_cap_ms, paused)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, coalesce($12, false))
+                  timeout_ms, max_attempts, backoff_base_ms, backoff_cap_ms, paused,
+                  retry_after_max_ms, throttle_floor_ms, throttle_backoff_base_ms,
+                  throttle_backoff_cap_ms, max_throttles, ratelimit_reset, adaptive_rate,
+                  effective_interval_us)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, coalesce($12, false),
+                     $13, $14, $15, $16, $17, $18, $19, $3)
              ON CONFLICT (name) DO UPDATE SET
                  rate = EXCLUDED.rate,
                  interval_us = EXCLUDED.interval_us,
@@ -99,6 +145,20 @@ impl Store {
                  backoff_base_ms = EXCLUDED.backoff_base_ms,
                  backoff_cap_ms = EXCLUDED.backoff_cap_ms,
                  paused = coalesce($12, d.paused),
+                 retry_after_max_ms = EXCLUDED.retry_after_max_ms,
+                 throttle_floor_ms = EXCLUDED.throttle_floor_ms,
+                 throttle_backoff_base_ms = EXCLUDED.throttle_backoff_base_ms,
+                 throttle_backoff_cap_ms = EXCLUDED.throttle_backoff_cap_ms,
+                 max_throttles = EXCLUDED.max_throttles,
+                 ratelimit_reset = EXCLUDED.ratelimit_reset,
+                 adaptive_rate = EXCLUDED.adaptive_rate,
+                 -- A new rate (or switching adaptation off) starts from the configured
+                 -- interval; otherwise keep what adaptation has learned.
+                 effective_interval_us = CASE
+                     WHEN EXCLUDED.adaptive_rate AND d.adaptive_rate
+                          AND EXCLUDED.interval_us = d.interval_us
+                         THEN d.effective_interval_us
+                     ELSE EXCLUDED.interval_us END,
                  due_at_us = sluice_due_at(d.id, d.next_slot_us, EXCLUDED.interval_us,
                                            EXCLUDED.burst, d.in_flight, EXCLUDED.max_in_flight),
                  updated_at_us = sluice_now_us()",
@@ -115,6 +175,13 @@ impl Store {
         .bind(spec.backoff_base_ms)
         .bind(spec.backoff_cap_ms)
         .bind(spec.paused)
+        .bind(spec.throttle.retry_after_max_ms)
+        .bind(spec.throttle.throttle_floor_ms)
+        .bind(spec.throttle_backoff_base_ms)
+        .bind(spec.throttle_backoff_cap_ms)
+        .bind(spec.max_throttles)
+        .bind(spec.throttle.ratelimit_reset.map(|u| u.as_str()))
+        .bind(spec.adaptive_rate)
         .execute(&mut *tx)
         .await?;
         notify_wake(&mut tx).await?;

@@ -20,6 +20,11 @@ use uuid::Uuid;
 use super::{Result, Store};
 use crate::job::JobState;
 use crate::rate::{Gcra, Micros};
+use crate::throttle::{ResetUnit, Shift, Source, ThrottlePolicy};
+
+/// NOTIFY channel announcing that a destination's `next_slot` moved because of a
+/// downstream throttle; payload `"<destination id>:<next_slot_us>"`.
+pub const THROTTLE_CHANNEL: &str = "sluice_throttle";
 
 /// Limits for one claim.
 #[derive(Debug, Clone)]
@@ -84,6 +89,12 @@ pub struct ClaimedJob {
     pub attempts: i32,
     /// Attempts allowed.
     pub max_attempts: i32,
+    /// Times the downstream throttled this job so far.
+    pub throttles: i32,
+    /// Throttles allowed before the job is dead-lettered.
+    pub max_throttles: i32,
+    /// How the destination reads throttling signals.
+    pub throttle: ThrottlePolicy,
     /// Deadline, if any.
     pub deadline_us: Option<Micros>,
 }
@@ -136,6 +147,18 @@ pub enum Outcome {
     /// Not sent (shutdown, or the release came too late to keep the spacing): back to
     /// the head of the queue, attempt not spent.
     Returned,
+    /// The downstream throttled it (429, or 503 with Retry-After): back to the head of
+    /// the queue, attempt not spent, throttle counted.
+    Throttled {
+        /// Response status.
+        status: u16,
+        /// What the downstream asked for, for the job's record.
+        error: String,
+        /// Start of the response body.
+        snippet: Option<String>,
+        /// The hint honoured, in milliseconds (after floor and cap).
+        retry_after_ms: Option<i64>,
+    },
 }
 
 /// A claimed job's outcome, reported by the dispatcher that holds the claim.
@@ -145,6 +168,20 @@ pub struct Completion {
     pub job: Arc<ClaimedJob>,
     /// Its outcome.
     pub outcome: Outcome,
+    /// How the response moves the destination's `next_slot` (throttling, or rate-limit
+    /// headers announcing exhaustion), independent of the job's outcome.
+    pub shift: Option<Shift>,
+}
+
+impl Completion {
+    /// A completion that does not move the destination.
+    pub fn new(job: Arc<ClaimedJob>, outcome: Outcome) -> Self {
+        Self {
+            job,
+            outcome,
+            shift: None,
+        }
+    }
 }
 
 #[derive(FromRow)]
@@ -160,6 +197,10 @@ struct DueDestination {
     backoff_base_ms: i64,
     backoff_cap_ms: i64,
     last_claimer: Option<Uuid>,
+    retry_after_max_ms: i64,
+    throttle_floor_ms: i64,
+    max_throttles: i32,
+    ratelimit_reset: Option<String>,
     now_us: i64,
 }
 
@@ -180,6 +221,7 @@ struct ClaimedRow {
     body: Option<Vec<u8>>,
     attempts: i32,
     max_attempts: i32,
+    throttles: i32,
     deadline_us: Option<i64>,
 }
 
@@ -227,9 +269,10 @@ impl Store {
 
 async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
     let dests: Vec<DueDestination> = sqlx::query_as(
-        "SELECT d.id, d.name, d.next_slot_us, d.interval_us, d.burst, d.max_in_flight,
-                d.in_flight, d.timeout_ms, d.backoff_base_ms, d.backoff_cap_ms, d.last_claimer,
-                c.now AS now_us
+        "SELECT d.id, d.name, d.next_slot_us, d.effective_interval_us AS interval_us, d.burst,
+                d.max_in_flight, d.in_flight, d.timeout_ms, d.backoff_base_ms, d.backoff_cap_ms,
+                d.last_claimer, d.retry_after_max_ms, d.throttle_floor_ms, d.max_throttles,
+                d.ratelimit_reset, c.now AS now_us
            FROM (SELECT sluice_now_us() AS now) c, sluice_destinations d
           WHERE d.due_at_us IS NOT NULL AND NOT d.paused AND d.due_at_us <= c.now + $1
           ORDER BY d.due_at_us
@@ -355,7 +398,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
                FROM unnest($3::uuid[], $4::bigint[], $5::bigint[]) AS u(id, slot, lease)
               WHERE j.id = u.id
           RETURNING j.id, j.method, j.url, j.headers, j.body, j.attempts, j.max_attempts,
-                    j.deadline_us",
+                    j.throttles, j.deadline_us",
         )
         .bind(p.worker_id)
         .bind(db_now)
@@ -394,7 +437,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
                 in_flight = d.in_flight + u.claimed,
                 backlog = d.backlog - u.expired,
                 last_claimer = CASE WHEN u.claimed > 0 THEN $5 ELSE d.last_claimer END,
-                due_at_us = sluice_due_at(d.id, u.tat, d.interval_us, d.burst,
+                due_at_us = sluice_due_at(d.id, u.tat, d.effective_interval_us, d.burst,
                                           d.in_flight + u.claimed, d.max_in_flight)
            FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::int[])
              AS u(id, tat, claimed, expired)
@@ -436,6 +479,13 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
                 body: row.body,
                 attempts: row.attempts,
                 max_attempts: row.max_attempts,
+                throttles: row.throttles,
+                max_throttles: d.max_throttles,
+                throttle: ThrottlePolicy {
+                    retry_after_max_ms: d.retry_after_max_ms,
+                    throttle_floor_ms: d.throttle_floor_ms,
+                    ratelimit_reset: d.ratelimit_reset.as_deref().and_then(ResetUnit::parse),
+                },
                 deadline_us: row.deadline_us,
             });
         }
@@ -460,8 +510,99 @@ fn gcra_of(d: &DueDestination) -> Gcra {
 struct DestinationDelta {
     done: i32,
     finished: i32,
+    successes: i32,
+    throttles: i32,
     /// Returned claims: (earliest tat_before, latest tat_after) to give slots back.
     give_back: Option<(i64, i64)>,
+    /// Largest explicit delay asked for, in microseconds.
+    shift_us: Option<i64>,
+    /// A 429 without a usable hint: apply the destination's growing backoff.
+    backoff: bool,
+    /// Largest hint seen, for the destination's record.
+    retry_after_ms: Option<i64>,
+}
+
+/// The per-job columns a completion writes.
+struct JobUpdate<'a> {
+    state: JobState,
+    attempt_delta: i32,
+    throttle_delta: i32,
+    delay_us: Option<i64>,
+    status: Option<i32>,
+    error: Option<&'a str>,
+    snippet: Option<&'a str>,
+    retry_after_ms: Option<i64>,
+    touched: bool,
+}
+
+fn job_update(outcome: &Outcome) -> JobUpdate<'_> {
+    let base = JobUpdate {
+        state: JobState::Queued,
+        attempt_delta: 0,
+        throttle_delta: 0,
+        delay_us: None,
+        status: None,
+        error: None,
+        snippet: None,
+        retry_after_ms: None,
+        touched: true,
+    };
+    match outcome {
+        Outcome::Succeeded { status, snippet } => JobUpdate {
+            state: JobState::Succeeded,
+            status: Some(i32::from(*status)),
+            snippet: snippet.as_deref(),
+            ..base
+        },
+        Outcome::Retry {
+            status,
+            error,
+            snippet,
+            delay_us,
+        } => JobUpdate {
+            delay_us: Some(*delay_us),
+            status: status.map(i32::from),
+            error: Some(error),
+            snippet: snippet.as_deref(),
+            ..base
+        },
+        Outcome::Dead {
+            status,
+            error,
+            snippet,
+        } => JobUpdate {
+            state: JobState::Dead,
+            status: status.map(i32::from),
+            error: Some(error),
+            snippet: snippet.as_deref(),
+            ..base
+        },
+        Outcome::Expired => JobUpdate {
+            state: JobState::Expired,
+            attempt_delta: -1,
+            error: Some("deadline passed before the job could be released"),
+            ..base
+        },
+        Outcome::Returned => JobUpdate {
+            attempt_delta: -1,
+            touched: false,
+            ..base
+        },
+        Outcome::Throttled {
+            status,
+            error,
+            snippet,
+            retry_after_ms,
+        } => JobUpdate {
+            attempt_delta: -1,
+            throttle_delta: 1,
+            status: Some(i32::from(*status)),
+            error: Some(error),
+            snippet: snippet.as_deref(),
+            retry_after_ms: *retry_after_ms,
+            ..base
+        },
+    }
 }
 
 async fn complete_in(conn: &mut PgConnection, worker_id: Uuid, done: &[Completion]) -> Result<()> {
@@ -469,73 +610,31 @@ async fn complete_in(conn: &mut PgConnection, worker_id: Uuid, done: &[Completio
     let mut ids = Vec::with_capacity(n);
     let mut states = Vec::with_capacity(n);
     let mut d_attempts = Vec::with_capacity(n);
+    let mut d_throttles = Vec::with_capacity(n);
     let mut delays: Vec<Option<i64>> = Vec::with_capacity(n);
     let mut statuses: Vec<Option<i32>> = Vec::with_capacity(n);
     let mut errors: Vec<Option<&str>> = Vec::with_capacity(n);
     let mut snippets: Vec<Option<&str>> = Vec::with_capacity(n);
+    let mut hints: Vec<Option<i64>> = Vec::with_capacity(n);
     let mut touched = Vec::with_capacity(n);
     for c in done {
+        let u = job_update(&c.outcome);
         ids.push(c.job.id);
-        let (state, attempt_delta, delay, status, error, snippet, touch) = match &c.outcome {
-            Outcome::Succeeded { status, snippet } => (
-                JobState::Succeeded,
-                0,
-                None,
-                Some(i32::from(*status)),
-                None,
-                snippet.as_deref(),
-                true,
-            ),
-            Outcome::Retry {
-                status,
-                error,
-                snippet,
-                delay_us,
-            } => (
-                JobState::Queued,
-                0,
-                Some(*delay_us),
-                status.map(i32::from),
-                Some(error.as_str()),
-                snippet.as_deref(),
-                true,
-            ),
-            Outcome::Dead {
-                status,
-                error,
-                snippet,
-            } => (
-                JobState::Dead,
-                0,
-                None,
-                status.map(i32::from),
-                Some(error.as_str()),
-                snippet.as_deref(),
-                true,
-            ),
-            Outcome::Expired => (
-                JobState::Expired,
-                -1,
-                None,
-                None,
-                Some("deadline passed before the job could be released"),
-                None,
-                true,
-            ),
-            Outcome::Returned => (JobState::Queued, -1, None, None, None, None, false),
-        };
-        states.push(state.as_str());
-        d_attempts.push(attempt_delta);
-        delays.push(delay);
-        statuses.push(status);
-        errors.push(error);
-        snippets.push(snippet);
-        touched.push(touch);
+        states.push(u.state.as_str());
+        d_attempts.push(u.attempt_delta);
+        d_throttles.push(u.throttle_delta);
+        delays.push(u.delay_us);
+        statuses.push(u.status);
+        errors.push(u.error);
+        snippets.push(u.snippet);
+        hints.push(u.retry_after_ms);
+        touched.push(u.touched);
     }
     let changed: Vec<(Uuid, String)> = sqlx::query_as(
         "UPDATE sluice_jobs j
             SET state = u.state,
                 attempts = j.attempts + u.d_attempts,
+                throttles = j.throttles + u.d_throttles,
                 run_at_us = CASE WHEN u.delay IS NULL THEN j.run_at_us
                                  ELSE sluice_now_us() + u.delay END,
                 slot_us = CASE WHEN u.touched THEN j.slot_us ELSE NULL END,
@@ -543,14 +642,16 @@ async fn complete_in(conn: &mut PgConnection, worker_id: Uuid, done: &[Completio
                 last_error = CASE WHEN u.touched THEN u.error ELSE j.last_error END,
                 response_snippet = CASE WHEN u.touched THEN u.snippet
                                         ELSE j.response_snippet END,
+                last_retry_after_ms = coalesce(u.hint, j.last_retry_after_ms),
                 lease_until_us = NULL,
                 worker_id = NULL,
                 updated_at_us = sluice_now_us(),
                 finished_at_us = CASE WHEN u.state IN ('queued', 'running') THEN NULL
                                       ELSE sluice_now_us() END
-           FROM unnest($2::uuid[], $3::text[], $4::int[], $5::bigint[], $6::int[],
-                       $7::text[], $8::text[], $9::bool[])
-             AS u(id, state, d_attempts, delay, status, error, snippet, touched)
+           FROM unnest($2::uuid[], $3::text[], $4::int[], $5::int[], $6::bigint[], $7::int[],
+                       $8::text[], $9::text[], $10::bigint[], $11::bool[])
+             AS u(id, state, d_attempts, d_throttles, delay, status, error, snippet, hint,
+                  touched)
           WHERE j.id = u.id AND j.state = 'running' AND j.worker_id = $1
       RETURNING j.id, j.state",
     )
@@ -558,16 +659,15 @@ async fn complete_in(conn: &mut PgConnection, worker_id: Uuid, done: &[Completio
     .bind(&ids)
     .bind(&states)
     .bind(&d_attempts)
+    .bind(&d_throttles)
     .bind(&delays)
     .bind(&statuses)
     .bind(&errors)
     .bind(&snippets)
+    .bind(&hints)
     .bind(&touched)
     .fetch_all(&mut *conn)
     .await?;
-    if changed.is_empty() {
-        return Ok(());
-    }
 
     let by_id: HashMap<Uuid, &Completion> = done.iter().map(|c| (c.job.id, c)).collect();
     let mut deltas: BTreeMap<i64, DestinationDelta> = BTreeMap::new();
@@ -578,51 +678,152 @@ async fn complete_in(conn: &mut PgConnection, worker_id: Uuid, done: &[Completio
         if state != "queued" {
             d.finished += 1;
         }
-        if c.outcome == Outcome::Returned {
-            let (lo, hi) = d.give_back.unwrap_or((i64::MAX, i64::MIN));
-            d.give_back = Some((lo.min(c.job.tat_before_us), hi.max(c.job.tat_after_us)));
+        match &c.outcome {
+            Outcome::Succeeded { .. } => d.successes += 1,
+            Outcome::Throttled { .. } => d.throttles += 1,
+            Outcome::Dead {
+                status: Some(429 | 503),
+                ..
+            } if c.shift.is_some() => d.throttles += 1,
+            Outcome::Returned => {
+                let (lo, hi) = d.give_back.unwrap_or((i64::MAX, i64::MIN));
+                d.give_back = Some((lo.min(c.job.tat_before_us), hi.max(c.job.tat_after_us)));
+            }
+            _ => {}
         }
     }
-    let mut d_ids = Vec::with_capacity(deltas.len());
-    let mut d_done = Vec::with_capacity(deltas.len());
-    let mut d_finished = Vec::with_capacity(deltas.len());
-    let mut d_back_to = Vec::with_capacity(deltas.len());
-    let mut d_back_if = Vec::with_capacity(deltas.len());
+    // Signals move the destination even when the job itself was not updated (a stale
+    // claim still carries the downstream's word about the destination).
+    for c in done {
+        let Some(shift) = c.shift else { continue };
+        let d = deltas.entry(c.job.destination_id).or_default();
+        match (shift.source, shift.delay_ms) {
+            (Source::Backoff, _) | (_, None) => d.backoff = true,
+            (_, Some(ms)) => {
+                let us = ms.saturating_mul(1_000);
+                d.shift_us = Some(d.shift_us.map_or(us, |x| x.max(us)));
+                if shift.source == Source::RetryAfter
+                    || shift.source == Source::RateLimit
+                    || shift.source == Source::XRateLimit
+                {
+                    d.retry_after_ms = Some(d.retry_after_ms.map_or(ms, |x| x.max(ms)));
+                }
+            }
+        }
+    }
+    if deltas.is_empty() {
+        return Ok(());
+    }
+    let len = deltas.len();
+    let mut d_ids = Vec::with_capacity(len);
+    let mut d_done = Vec::with_capacity(len);
+    let mut d_finished = Vec::with_capacity(len);
+    let mut d_successes = Vec::with_capacity(len);
+    let mut d_throttle_n = Vec::with_capacity(len);
+    let mut d_back_to = Vec::with_capacity(len);
+    let mut d_back_if = Vec::with_capacity(len);
+    let mut d_shift = Vec::with_capacity(len);
+    let mut d_backoff = Vec::with_capacity(len);
+    let mut d_hint = Vec::with_capacity(len);
     for (id, d) in &deltas {
         d_ids.push(*id);
         d_done.push(d.done);
         d_finished.push(d.finished);
+        d_successes.push(d.successes);
+        d_throttle_n.push(d.throttles);
         d_back_to.push(d.give_back.map(|g| g.0));
         d_back_if.push(d.give_back.map(|g| g.1));
+        d_shift.push(d.shift_us);
+        d_backoff.push(d.backoff);
+        d_hint.push(d.retry_after_ms);
     }
     // Lock in id order so concurrent completions never deadlock on destination rows.
     sqlx::query("SELECT 1 FROM sluice_destinations WHERE id = ANY($1) ORDER BY id FOR UPDATE")
         .bind(&d_ids)
         .execute(&mut *conn)
         .await?;
-    // A returned claim gives its slots back only when nobody claimed a later slot
-    // (next_slot still equals the tat after our last returned slot): then rolling back
-    // cannot put a release closer than one interval to another.
-    sqlx::query(
+    // next_slot: a returned claim gives its slots back only when nobody claimed a later
+    // slot (next_slot still equals the tat after our last returned slot), so rolling back
+    // cannot put a release closer than one interval to another; a throttle moves it to
+    // max(next_slot, now + delay). GREATEST ignores the NULLs of absent signals.
+    let shifted: Vec<(i64, i64)> = sqlx::query_as(
         "UPDATE sluice_destinations d
-            SET in_flight = d.in_flight - u.done,
-                backlog = d.backlog - u.finished,
-                next_slot_us = CASE WHEN d.next_slot_us = u.back_if THEN u.back_to
-                                    ELSE d.next_slot_us END,
-                due_at_us = sluice_due_at(
-                    d.id,
-                    CASE WHEN d.next_slot_us = u.back_if THEN u.back_to ELSE d.next_slot_us END,
-                    d.interval_us, d.burst, d.in_flight - u.done, d.max_in_flight)
-           FROM unnest($1::bigint[], $2::int[], $3::int[], $4::bigint[], $5::bigint[])
-             AS u(id, done, finished, back_to, back_if)
-          WHERE d.id = u.id",
+            SET in_flight = d.in_flight - c.done,
+                backlog = d.backlog - c.finished,
+                next_slot_us = c.next_slot,
+                throttled_until_us = CASE WHEN c.shifted THEN c.next_slot
+                                          ELSE d.throttled_until_us END,
+                throttled_total = d.throttled_total + c.throttles,
+                last_retry_after_ms = coalesce(c.hint, d.last_retry_after_ms),
+                throttle_streak = CASE WHEN c.throttles > 0 OR c.backoff
+                                           THEN d.throttle_streak + greatest(c.throttles, 1)
+                                       WHEN c.successes > 0 THEN 0
+                                       ELSE d.throttle_streak END,
+                effective_interval_us = CASE
+                    WHEN NOT d.adaptive_rate THEN d.interval_us
+                    WHEN c.throttles > 0
+                        THEN least(d.effective_interval_us
+                                   * (2 ^ least(c.throttles, 10))::bigint,
+                                   d.interval_us * 1024)
+                    WHEN c.successes > 0
+                        THEN greatest(d.interval_us, (d.effective_interval_us::numeric
+                             * d.interval_us * 100
+                             / (d.interval_us * 100
+                                + d.effective_interval_us::numeric * c.successes))::bigint)
+                    ELSE d.effective_interval_us END
+           FROM (SELECT d2.id, u.done, u.finished, u.successes, u.throttles, u.backoff, u.hint,
+                        (u.shift IS NOT NULL OR u.backoff) AS shifted,
+                        greatest(
+                            CASE WHEN d2.next_slot_us = u.back_if THEN u.back_to
+                                 ELSE d2.next_slot_us END,
+                            sluice_now_us() + u.shift,
+                            CASE WHEN u.backoff THEN sluice_now_us()
+                                 + least(d2.throttle_backoff_cap_ms,
+                                         d2.throttle_backoff_base_ms
+                                         * (2 ^ least(d2.throttle_streak, 30))::bigint)
+                                 * 1000 END
+                        ) AS next_slot
+                   FROM unnest($1::bigint[], $2::int[], $3::int[], $4::int[], $5::int[],
+                               $6::bigint[], $7::bigint[], $8::bigint[], $9::bool[],
+                               $10::bigint[])
+                     AS u(id, done, finished, successes, throttles, back_to, back_if, shift,
+                          backoff, hint)
+                   JOIN sluice_destinations d2 ON d2.id = u.id) c
+          WHERE d.id = c.id
+      RETURNING d.id, CASE WHEN c.shifted THEN d.next_slot_us END",
     )
     .bind(&d_ids)
     .bind(&d_done)
     .bind(&d_finished)
+    .bind(&d_successes)
+    .bind(&d_throttle_n)
     .bind(&d_back_to)
     .bind(&d_back_if)
+    .bind(&d_shift)
+    .bind(&d_backoff)
+    .bind(&d_hint)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .filter_map(|(id, slot): (i64, Option<i64>)| slot.map(|s| (id, s)))
+    .collect();
+    // due_at from the values just written.
+    sqlx::query(
+        "UPDATE sluice_destinations
+            SET due_at_us = sluice_due_at(id, next_slot_us, effective_interval_us, burst,
+                                          in_flight, max_in_flight)
+          WHERE id = ANY($1)",
+    )
+    .bind(&d_ids)
     .execute(&mut *conn)
     .await?;
+    if !shifted.is_empty() {
+        let payloads: Vec<String> = shifted.iter().map(|(id, s)| format!("{id}:{s}")).collect();
+        sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
+            .bind(THROTTLE_CHANNEL)
+            .bind(&payloads)
+            .execute(&mut *conn)
+            .await?;
+    }
     Ok(())
 }

@@ -97,7 +97,8 @@ pub async fn enqueue_in(
     jobs: &[NewJob],
 ) -> Result<Vec<Admitted>, EnqueueError> {
     let dest: LockedDestination = sqlx::query_as(
-        "SELECT id, capacity, backlog, next_slot_us, interval_us, burst, max_attempts,
+        "SELECT id, capacity, backlog, next_slot_us, effective_interval_us AS interval_us,
+                burst, max_attempts,
                 allowed_base_urls, due_at_us, sluice_now_us() AS now_us
            FROM sluice_destinations WHERE name = $1 FOR UPDATE",
     )
@@ -197,7 +198,7 @@ pub async fn enqueue_in(
                 due_at_us = CASE
                     WHEN max_in_flight IS NOT NULL AND in_flight >= max_in_flight THEN NULL
                     ELSE least(due_at_us,
-                               greatest(next_slot_us - (burst - 1) * interval_us, $3))
+                               greatest(next_slot_us - (burst - 1) * effective_interval_us, $3))
                 END
           WHERE id = $1
       RETURNING due_at_us",

@@ -31,6 +31,7 @@ struct JobRow {
     attempts: i32,
     max_attempts: i32,
     throttles: i32,
+    last_retry_after_ms: Option<i64>,
     run_at_us: i64,
     deadline_us: Option<i64>,
     slot_us: Option<i64>,
@@ -57,6 +58,7 @@ impl From<JobRow> for Job {
             attempts: r.attempts,
             max_attempts: r.max_attempts,
             throttles: r.throttles,
+            last_retry_after_ms: r.last_retry_after_ms,
             run_at: r.run_at_us,
             deadline: r.deadline_us,
             slot: r.slot_us,
@@ -74,7 +76,7 @@ macro_rules! job_select {
     () => {
         "SELECT j.id, d.name AS destination, j.state, j.method, j.url, j.headers,
                 coalesce(octet_length(j.body), 0)::bigint AS body_bytes, j.idempotency_key,
-                j.attempts, j.max_attempts, j.throttles, j.run_at_us, j.deadline_us, j.slot_us,
+                j.attempts, j.max_attempts, j.throttles, j.last_retry_after_ms, j.run_at_us, j.deadline_us, j.slot_us,
                 j.last_status, j.last_error, j.response_snippet, j.created_at_us,
                 j.updated_at_us, j.finished_at_us
            FROM sluice_jobs j JOIN sluice_destinations d ON d.id = j.destination_id "

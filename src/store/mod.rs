@@ -27,7 +27,7 @@ mod enqueue;
 mod jobs;
 
 pub use destinations::DestinationStatus;
-pub use dispatch::{Claim, ClaimParams, ClaimedJob, Completion, Outcome};
+pub use dispatch::{Claim, ClaimParams, ClaimedJob, Completion, Outcome, THROTTLE_CHANNEL};
 pub use enqueue::{enqueue_in, Admitted, EnqueueError};
 pub use jobs::JobFilter;
 

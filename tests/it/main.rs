@@ -6,4 +6,5 @@ mod api;
 mod cli;
 mod dispatch;
 mod harness;
+mod throttle;
 mod timing;
