@@ -206,7 +206,7 @@ mod tests {
             outcome(&job(1, 3), resp(204)),
             Outcome::Succeeded { .. }
         ));
-        for s in [500, 502, 503, 504, 408, 429] {
+        for s in [500, 502, 503, 504, 408] {
             assert!(
                 matches!(outcome(&job(1, 3), resp(s)), Outcome::Retry { .. }),
                 "{s}"
