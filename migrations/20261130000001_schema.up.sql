@@ -107,6 +107,9 @@ CREATE UNIQUE INDEX sluice_jobs_idempotency ON sluice_jobs (destination_id, idem
 -- Lease rescue and shutdown: running jobs by lease expiry.
 CREATE INDEX sluice_jobs_leases ON sluice_jobs (lease_until_us)
     WHERE state = 'running';
+-- Expiry of queued jobs that no claim will meet (paused or stalled destinations).
+CREATE INDEX sluice_jobs_deadlines ON sluice_jobs (deadline_us)
+    WHERE state = 'queued' AND deadline_us IS NOT NULL;
 -- Retention: finished jobs by age.
 CREATE INDEX sluice_jobs_finished ON sluice_jobs (finished_at_us)
     WHERE finished_at_us IS NOT NULL;

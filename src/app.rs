@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::{self, ApiState};
 use crate::config::{redact, Config};
 use crate::dispatcher::Dispatcher;
+use crate::maintenance::Maintenance;
 use crate::metrics::Metrics;
 use crate::store::{Store, StoreOptions};
 
@@ -120,6 +121,18 @@ pub async fn run(
         let dispatcher = Dispatcher::new(store.clone(), config.dispatcher.clone(), metrics.clone());
         let token = shutdown.child_token();
         tasks.spawn(async move { dispatcher.run(token).await });
+        if config.maintenance.enabled {
+            let maintenance = Maintenance::new(
+                store.clone(),
+                config.maintenance.clone(),
+                Duration::from_millis(config.dispatcher.lease_margin_ms),
+            );
+            let token = shutdown.child_token();
+            tasks.spawn(async move {
+                maintenance.run(token).await;
+                Ok(())
+            });
+        }
     }
     let mut result = Ok(());
     while let Some(joined) = tasks.join_next().await {

@@ -53,7 +53,7 @@ pub enum Command {
     /// Create, update, show, pause or resume a destination.
     #[command(subcommand)]
     Destination(DestinationCommand),
-    /// List, show or cancel jobs.
+    /// List, show, cancel or retry jobs.
     #[command(subcommand)]
     Jobs(JobsCommand),
 }
@@ -191,6 +191,11 @@ pub enum JobsCommand {
     },
     /// Cancel a queued job.
     Cancel {
+        /// Job id.
+        id: Uuid,
+    },
+    /// Put a dead job back in line with fresh attempts.
+    Retry {
         /// Job id.
         id: Uuid,
     },
@@ -433,6 +438,14 @@ async fn jobs(config: &Config, cmd: JobsCommand) -> anyhow::Result<ExitCode> {
             let j = store.cancel_job(id).await?;
             println!("{} {}", j.id, j.state);
         }
+        JobsCommand::Retry { id } => match store.retry_dead_job(id).await {
+            Ok(j) => println!("{} {}", j.id, j.state),
+            Err(e @ EnqueueError::Full { .. }) => {
+                eprintln!("sluice: {e}");
+                return Ok(ExitCode::from(EXIT_FULL));
+            }
+            Err(EnqueueError::Store(e)) => return Err(e.into()),
+        },
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -30,6 +30,8 @@ pub struct Config {
     pub dispatcher: DispatcherConfig,
     /// Connection pool settings.
     pub database: DatabaseConfig,
+    /// Lease rescue, expiry and retention (run by one dispatcher at a time).
+    pub maintenance: MaintenanceConfig,
     /// Destinations upserted at start, by name.
     pub destinations: BTreeMap<String, DestinationConfig>,
 }
@@ -42,6 +44,7 @@ impl Default for Config {
             api: ApiConfig::default(),
             dispatcher: DispatcherConfig::default(),
             database: DatabaseConfig::default(),
+            maintenance: MaintenanceConfig::default(),
             destinations: BTreeMap::new(),
         }
     }
@@ -93,6 +96,9 @@ pub struct DispatcherConfig {
     pub claim_per_destination: u32,
     /// Most outcomes written in one completion transaction.
     pub completion_batch: usize,
+    /// On shutdown, how long in-flight requests may take to finish before the process
+    /// exits anyway (their jobs are then recovered by lease expiry).
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for DispatcherConfig {
@@ -106,6 +112,32 @@ impl Default for DispatcherConfig {
             claim_destinations: 512,
             claim_per_destination: 1_000,
             completion_batch: 1_000,
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+/// Housekeeping, run by whichever dispatcher holds the maintenance lock.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MaintenanceConfig {
+    /// Whether this process takes part in maintenance.
+    pub enabled: bool,
+    /// How often the leader rescues expired leases, expires overdue jobs and prunes.
+    pub interval_ms: u64,
+    /// Finished jobs (succeeded, dead, cancelled, expired) are deleted after this long.
+    pub retention_hours: u64,
+    /// Rows per pruning or rescue statement (small, so the hot path never waits).
+    pub batch: u32,
+}
+
+impl Default for MaintenanceConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            interval_ms: 1_000,
+            retention_hours: 168,
+            batch: 1_000,
         }
     }
 }
@@ -124,7 +156,7 @@ impl Default for DatabaseConfig {
     fn default() -> Self {
         Self {
             max_connections: 16,
-            acquire_timeout_ms: 5_000,
+            acquire_timeout_ms: 3_000,
         }
     }
 }
@@ -161,7 +193,14 @@ fn invalid(
 
 /// Top-level keys that may come from `SLUICE_*` variables; other `SLUICE_*` variables
 /// (say `SLUICE_TEST_DATABASE_URL`) are not configuration and are ignored.
-const ENV_KEYS: [&str; 5] = ["database_url", "listen", "api", "dispatcher", "database"];
+const ENV_KEYS: [&str; 6] = [
+    "database_url",
+    "listen",
+    "api",
+    "dispatcher",
+    "database",
+    "maintenance",
+];
 
 impl Config {
     /// Loads defaults, then `path` (required only when `required`), then the environment.

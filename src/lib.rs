@@ -15,6 +15,7 @@
 //! | [`delivery`] | one shared reqwest client; bounded response reads |
 //! | [`throttle`] | reading Retry-After / RateLimit / X-RateLimit: pure, fuzzed |
 //! | [`api`] | axum routes, JSON errors, bearer auth |
+//! | [`maintenance`] | lease rescue, expiry, retention: one leader via an advisory lock |
 //! | [`app`] | process wiring for `serve` / `worker` |
 //! | [`config`] | defaults → `config.toml` → environment, validated at boot |
 //! | [`cli`] | the `sluice` command |
@@ -38,6 +39,7 @@ pub mod delivery;
 pub mod destination;
 pub mod dispatcher;
 pub mod job;
+pub mod maintenance;
 pub mod metrics;
 pub mod rate;
 pub mod shutdown;

@@ -118,6 +118,16 @@ pub(super) async fn cancel(
     Ok(Json(state.store.cancel_job(id).await?))
 }
 
+/// `POST /v1/jobs/{id}/retry`: puts a dead job back in line with fresh attempts (429
+/// when the destination is full, 409 unless the job is dead).
+pub(super) async fn retry(
+    State(state): State<ApiState>,
+    PathParam(id): PathParam,
+) -> Result<Json<Job>, ApiError> {
+    let id = parse_id(&id)?;
+    Ok(Json(state.store.retry_dead_job(id).await?))
+}
+
 /// Query of `GET /v1/jobs`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

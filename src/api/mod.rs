@@ -57,6 +57,7 @@ pub fn router(state: ApiState) -> Router {
         )
         .route("/jobs", get(jobs::list))
         .route("/jobs/{id}", get(jobs::get).delete(jobs::cancel))
+        .route("/jobs/{id}/retry", post(jobs::retry))
         .layer(DefaultBodyLimit::max(single_limit));
     let protected = Router::new()
         .nest("/v1", v1)

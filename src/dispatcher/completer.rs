@@ -13,8 +13,9 @@ use crate::metrics::Metrics;
 use crate::store::{Completion, Store};
 
 /// Runs until the channel closes (all job tasks finished) and the last batch is written.
-/// A failed write is retried with backoff (the database may be restarting); only `stop`
-/// (a hard shutdown) gives up, leaving those jobs to lease expiry.
+/// A failed write is retried with backoff (the database may be restarting). After `stop`
+/// (the shutdown's flush deadline) it makes one last attempt with what it holds and
+/// exits; outcomes it could not write are recovered by lease expiry (at-least-once).
 pub(super) async fn run(
     store: Store,
     worker_id: Uuid,
@@ -27,9 +28,19 @@ pub(super) async fn run(
     let mut buf: Vec<Completion> = Vec::with_capacity(batch);
     loop {
         if buf.is_empty() {
-            match rx.recv().await {
-                Some(c) => buf.push(c),
-                None => return,
+            tokio::select! {
+                c = rx.recv() => match c {
+                    Some(c) => buf.push(c),
+                    None => return,
+                },
+                _ = stop.cancelled() => {
+                    while let Ok(c) = rx.try_recv() {
+                        buf.push(c);
+                    }
+                    if buf.is_empty() {
+                        return;
+                    }
+                }
             }
         }
         while buf.len() < batch {
@@ -42,16 +53,16 @@ pub(super) async fn run(
         loop {
             match store.complete(worker_id, &buf).await {
                 Ok(()) => break,
+                Err(e) if stop.is_cancelled() => {
+                    tracing::error!(error = %e, jobs = buf.len(),
+                        "shutting down without recording these outcomes; their leases will expire and they will be retried");
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, jobs = buf.len(), retry_in_ms = backoff.as_millis() as u64,
                         "cannot record outcomes; retrying");
                     tokio::select! {
-                        // The channel closing is not a reason to give up: the outcomes
-                        // in hand must still be written. Only a hard stop is.
-                        _ = stop.cancelled(), if rx.is_closed() => {
-                            tracing::error!(jobs = buf.len(), "giving up on outcomes; their leases will expire and they will be retried");
-                            return;
-                        }
+                        _ = stop.cancelled() => {}
                         _ = tokio::time::sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(Duration::from_secs(5));

@@ -59,6 +59,9 @@ pub struct ReleaseEvent {
 /// 0.1–0.3 ms late) instead of sleep-then-spin: the spin's CPU buys nothing measurable.
 const SPIN_BELOW_INTERVAL: Duration = Duration::from_secs(1);
 
+/// How long shutdown waits for outcomes to be written once requests are done.
+const FLUSH_DEADLINE: Duration = Duration::from_secs(10);
+
 /// How often the database/local clock mapping is refreshed.
 const CLOCK_RESYNC: Duration = Duration::from_secs(15);
 
@@ -142,7 +145,17 @@ impl Dispatcher {
         let wake = Arc::new(Notify::new());
         let background = TaskTracker::new();
         let jobs = TaskTracker::new();
+        // Listener and heartbeat stop once in-flight work is done; the completer gets
+        // its own token, fired only when the flush deadline passes.
         let stop_background = CancellationToken::new();
+        let stop_completer = CancellationToken::new();
+        let lease_margin = Duration::from_millis(cfg.lease_margin_ms);
+        background.spawn(heartbeat(
+            self.store.clone(),
+            self.worker_id,
+            lease_margin,
+            stop_background.clone(),
+        ));
 
         let (throttle_tx, mut throttle_rx) = mpsc::unbounded_channel::<(i64, Micros)>();
         background.spawn(listen(
@@ -159,7 +172,7 @@ impl Dispatcher {
             cfg.completion_batch,
             wake.clone(),
             self.metrics.clone(),
-            stop_background.clone(),
+            stop_completer.clone(),
         ));
 
         let permits = Arc::new(Semaphore::new(cfg.max_concurrency));
@@ -257,15 +270,28 @@ impl Dispatcher {
             }
         }
 
-        // Shutdown: unreleased claims go back at once; in-flight requests finish.
-        tracing::info!(worker_id = %self.worker_id, "dispatcher stopping");
+        // Shutdown: unreleased claims go back at once (their slots too, where nobody
+        // claimed after them); in-flight requests get the grace period to finish.
+        tracing::info!(worker_id = %self.worker_id, in_flight = jobs.len(), "dispatcher stopping");
         timer.revoke_all();
         jobs.close();
-        jobs.wait().await;
+        let grace = Duration::from_millis(cfg.shutdown_grace_ms);
+        if tokio::time::timeout(grace, jobs.wait()).await.is_err() {
+            tracing::warn!(abandoned = jobs.len(), grace_ms = cfg.shutdown_grace_ms,
+                "in-flight requests outlived the grace period; their jobs will be retried after lease expiry");
+        }
         drop(done_tx);
         stop_background.cancel();
-        background.close();
-        background.wait().await;
+        // Outcomes in hand are flushed; if the database is unreachable, give up after a
+        // bounded wait rather than hang the shutdown.
+        let flush = async {
+            background.close();
+            background.wait().await;
+        };
+        if tokio::time::timeout(FLUSH_DEADLINE, flush).await.is_err() {
+            stop_completer.cancel();
+            background.wait().await;
+        }
         tracing::info!(worker_id = %self.worker_id, "dispatcher stopped");
         Ok(())
     }
@@ -359,6 +385,30 @@ impl Dispatcher {
                 timer.revoke(destination, until);
             }
         });
+    }
+}
+
+/// Renews the leases of this dispatcher's jobs every third of the lease margin, so only
+/// a dispatcher that stopped (or lost the database for longer than the margin) has its
+/// jobs rescued.
+async fn heartbeat(store: Store, worker_id: Uuid, margin: Duration, stop: CancellationToken) {
+    let every = margin / 3;
+    let margin_us = i64::try_from(margin.as_micros()).unwrap_or(i64::MAX);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        match store.extend_leases(worker_id, margin_us).await {
+            Ok(_) => failing = false,
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, "cannot renew leases");
+                }
+                failing = true;
+            }
+        }
     }
 }
 

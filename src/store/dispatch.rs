@@ -817,6 +817,11 @@ async fn complete_in(conn: &mut PgConnection, worker_id: Uuid, done: &[Completio
     .bind(&d_ids)
     .execute(&mut *conn)
     .await?;
+    // Claims given back are due now: wake the other dispatchers for them (a shutting
+    // down dispatcher's claims are delivered by the others at once, not after a poll).
+    if done.iter().any(|c| c.outcome == Outcome::Returned) {
+        super::destinations::notify_wake(conn).await?;
+    }
     if !shifted.is_empty() {
         let payloads: Vec<String> = shifted.iter().map(|(id, s)| format!("{id}:{s}")).collect();
         sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")

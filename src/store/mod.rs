@@ -10,6 +10,7 @@
 //! | `enqueue.rs` | atomic admission against capacity, idempotency |
 //! | `jobs.rs` | job lookups, cancel |
 //! | `dispatch.rs` | claim with slots, completion, returning claims |
+//! | `maintenance.rs` | lease renewal and rescue, expiry, retention, requeue |
 
 use std::time::Duration;
 
@@ -25,11 +26,13 @@ mod destinations;
 mod dispatch;
 mod enqueue;
 mod jobs;
+mod maintenance;
 
 pub use destinations::DestinationStatus;
 pub use dispatch::{Claim, ClaimParams, ClaimedJob, Completion, Outcome, THROTTLE_CHANNEL};
 pub use enqueue::{enqueue_in, Admitted, EnqueueError};
 pub use jobs::JobFilter;
+pub use maintenance::MAINTENANCE_LOCK_KEY;
 
 /// Errors from the store. Callers react to the domain variants; `Database` and `Migrate`
 /// are infrastructure failures (the API maps them to 500/503 and never echoes them).

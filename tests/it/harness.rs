@@ -620,3 +620,175 @@ pub async fn cli(args: &[&str], db_url: &str) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A raw TCP server for downstream faults, by path: `/ok` answers 200, `/reset` drops the
+/// connection without answering, `/hang` never answers, `/huge` answers 200 with a 10 MB
+/// body, `/flaky` alternates between reset and 200. Counts requests per path.
+pub struct FaultSink {
+    pub addr: SocketAddr,
+    hits: Arc<Mutex<std::collections::HashMap<String, usize>>>,
+    stop: CancellationToken,
+}
+
+impl FaultSink {
+    pub async fn start() -> FaultSink {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let hits: Arc<Mutex<std::collections::HashMap<String, usize>>> = Arc::default();
+        let stop = CancellationToken::new();
+        let (h, token) = (hits.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = token.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                let Ok((mut sock, _)) = accepted else {
+                    continue;
+                };
+                let (h, token) = (h.clone(), token.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    let path = loop {
+                        match sock.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                        if buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf).into_owned();
+                            break head.split(' ').nth(1).unwrap_or("/").to_owned();
+                        }
+                    };
+                    let n = {
+                        let mut m = h.lock().expect("lock");
+                        let e = m.entry(path.clone()).or_default();
+                        *e += 1;
+                        *e
+                    };
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok";
+                    match path.as_str() {
+                        "/reset" => {
+                            let _ = sock.set_zero_linger();
+                        }
+                        "/flaky" if n % 2 == 1 => {
+                            let _ = sock.set_zero_linger();
+                        }
+                        "/hang" => token.cancelled().await,
+                        "/huge" => {
+                            let len = 10 * 1024 * 1024;
+                            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n");
+                            if sock.write_all(head.as_bytes()).await.is_err() {
+                                return;
+                            }
+                            let block = vec![b'x'; 64 * 1024];
+                            for _ in 0..(len / block.len()) {
+                                if sock.write_all(&block).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                        _ => {
+                            let _ = sock.write_all(ok).await;
+                        }
+                    }
+                });
+            }
+        });
+        FaultSink { addr, hits, stop }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn hits(&self, path: &str) -> usize {
+        self.hits
+            .lock()
+            .expect("lock")
+            .get(path)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for FaultSink {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// A private PostgreSQL cluster (Debian's postgresql-common) that a test may stop and
+/// start without disturbing other tests. Dropped with the guard.
+pub struct PrivateCluster {
+    pub version: String,
+    pub name: String,
+    pub port: u16,
+}
+
+impl PrivateCluster {
+    pub fn create() -> PrivateCluster {
+        let version = std::fs::read_dir("/etc/postgresql")
+            .ok()
+            .and_then(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .max()
+            })
+            .expect("this test needs Debian's PostgreSQL (pg_createcluster); see README");
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+            l.local_addr().expect("addr").port()
+        };
+        let name = format!("sluice{port}");
+        let status = std::process::Command::new("pg_createcluster")
+            .args([
+                &version,
+                &name,
+                "-p",
+                &port.to_string(),
+                "--",
+                "--auth=trust",
+            ])
+            .stdout(Stdio::null())
+            .status()
+            .expect("pg_createcluster");
+        assert!(status.success(), "pg_createcluster failed");
+        let c = PrivateCluster {
+            version,
+            name,
+            port,
+        };
+        c.ctl("start");
+        c
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    pub fn ctl(&self, action: &str) {
+        let status = std::process::Command::new("pg_ctlcluster")
+            .args([
+                "--skip-systemctl-redirect",
+                &self.version,
+                &self.name,
+                action,
+            ])
+            .stdout(Stdio::null())
+            .status()
+            .expect("pg_ctlcluster");
+        assert!(status.success(), "pg_ctlcluster {action} failed");
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("pg_dropcluster")
+            .args(["--stop", &self.version, &self.name])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}

@@ -1,10 +1,12 @@
 //! One integration binary; a module per area. Every test gets its own database.
-//! `timing` tests run serially (see .config/nextest.toml and scripts/test).
+//! `timing` and `crash` tests run serially (see .config/nextest.toml and scripts/test).
 
 mod admission;
 mod api;
 mod cli;
+mod crash;
 mod dispatch;
 mod harness;
+mod recovery;
 mod throttle;
 mod timing;
