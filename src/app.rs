@@ -13,7 +13,10 @@ use crate::config::{redact, Config};
 use crate::dispatcher::Dispatcher;
 use crate::maintenance::Maintenance;
 use crate::metrics::Metrics;
-use crate::store::{Store, StoreOptions};
+use crate::store::{Enqueuer, Store, StoreOptions};
+
+/// Concurrent group-commit transactions for single enqueues (see `store::Enqueuer`).
+const ENQUEUE_WORKERS: usize = 4;
 
 /// Which parts of Sluice a process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +109,7 @@ pub async fn run(
         let addr = listener.local_addr()?;
         tracing::info!(%addr, "listening on http://{addr}");
         let state = ApiState {
+            enqueuer: Enqueuer::start(store.clone(), ENQUEUE_WORKERS),
             store: store.clone(),
             config: Arc::new(config.api.clone()),
             metrics: metrics.clone(),

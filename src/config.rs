@@ -135,7 +135,7 @@ impl Default for MaintenanceConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            interval_ms: 1_000,
+            interval_ms: 5_000,
             retention_hours: 168,
             batch: 1_000,
         }

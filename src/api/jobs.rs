@@ -25,17 +25,7 @@ pub(super) async fn enqueue(
     let job = req
         .validate("")
         .map_err(|e| ApiError::field("invalid_job", e))?;
-    let admitted = state
-        .store
-        .enqueue(name.as_str(), std::slice::from_ref(&job))
-        .await?;
-    let Some(a) = admitted.into_iter().next() else {
-        return Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "enqueue admitted nothing",
-        ));
-    };
+    let a = state.enqueuer.enqueue(name.as_str(), job).await?;
     let status = if a.created {
         StatusCode::ACCEPTED
     } else {

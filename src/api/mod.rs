@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ApiConfig;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{Enqueuer, Store};
 
 mod destinations;
 mod error;
@@ -31,6 +31,8 @@ pub use error::ApiError;
 pub struct ApiState {
     /// The job store.
     pub store: Store,
+    /// Single enqueues, grouped into shared commits under load.
+    pub enqueuer: Enqueuer,
     /// API settings (tokens, body limits).
     pub config: Arc<ApiConfig>,
     /// Process metrics, rendered by `GET /metrics`.

@@ -88,6 +88,8 @@ impl Store {
 }
 
 /// Admits `jobs` inside the caller's transaction: the jobs exist only if it commits.
+/// All or nothing: if any job is invalid or the destination has no room for all of them,
+/// nothing is admitted.
 ///
 /// Holds the destination's row lock until the transaction ends, which serialises
 /// admissions to that destination: keep the transaction short.
@@ -96,6 +98,32 @@ pub async fn enqueue_in(
     name: &str,
     jobs: &[NewJob],
 ) -> Result<Vec<Admitted>, EnqueueError> {
+    admit(conn, name, jobs, Admission::AllOrNothing)
+        .await?
+        .into_iter()
+        .collect()
+}
+
+/// How a group of jobs is admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// The batch endpoint and [`enqueue_in`]: every job or none.
+    AllOrNothing,
+    /// Independent requests sharing one commit: each job is admitted on its own, in
+    /// order, while there is room.
+    EachJob,
+}
+
+/// Admits `jobs` to destination `name` under its row lock. Returns one result per job;
+/// an `Err` for the whole call means nothing was decided (unknown destination, database
+/// failure). With [`Admission::AllOrNothing`] the per-job results are either all `Ok` or
+/// all the same error.
+pub(crate) async fn admit(
+    conn: &mut PgConnection,
+    name: &str,
+    jobs: &[NewJob],
+    mode: Admission,
+) -> Result<Vec<Result<Admitted, EnqueueError>>, EnqueueError> {
     let dest: LockedDestination = sqlx::query_as(
         "SELECT id, capacity, backlog, next_slot_us, effective_interval_us AS interval_us,
                 burst, max_attempts,
@@ -107,12 +135,23 @@ pub async fn enqueue_in(
     .await?
     .ok_or_else(|| Error::UnknownDestination(name.to_owned()))?;
 
-    check_urls(jobs, &dest.allowed_base_urls)?;
+    let url_errors: Vec<Option<FieldError>> = jobs
+        .iter()
+        .enumerate()
+        .map(|(i, j)| check_url(j, &dest.allowed_base_urls, field_name(jobs.len(), i, mode)))
+        .collect();
+    if mode == Admission::AllOrNothing {
+        if let Some(e) = url_errors.iter().flatten().next() {
+            return Err(Error::InvalidJob(e.clone()).into());
+        }
+    }
 
     // Idempotency: existing jobs with these keys, then repeats within this request.
     let keys: Vec<&str> = jobs
         .iter()
-        .filter_map(|j| j.idempotency_key.as_deref())
+        .zip(&url_errors)
+        .filter(|(_, e)| e.is_none())
+        .filter_map(|(j, _)| j.idempotency_key.as_deref())
         .collect();
     let mut known: HashMap<String, (Uuid, JobState)> = HashMap::new();
     if !keys.is_empty() {
@@ -130,59 +169,113 @@ pub async fn enqueue_in(
         }
     }
 
-    let mut admitted = Vec::with_capacity(jobs.len());
+    // Decide each job: existing (idempotent repeat), new, or over capacity.
+    let room = dest.capacity.saturating_sub(dest.backlog).max(0);
+    let mut keys_seen = std::collections::HashSet::new();
+    let new_wanted = jobs
+        .iter()
+        .zip(&url_errors)
+        .filter(|(j, e)| {
+            e.is_none()
+                && match &j.idempotency_key {
+                    Some(k) => !known.contains_key(k) && keys_seen.insert(k.as_str()),
+                    None => true,
+                }
+        })
+        .count() as i64;
+    let batch_fits = new_wanted <= room;
+    let mut results: Vec<Result<Admitted, EnqueueError>> = Vec::with_capacity(jobs.len());
     let mut fresh: Vec<(Uuid, &NewJob)> = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        if let Some(key) = &job.idempotency_key {
-            if let Some(&(id, state)) = known.get(key) {
-                admitted.push(Admitted {
-                    id,
-                    state,
-                    created: false,
-                });
-                continue;
-            }
+    let mut rejected = 0i64;
+    for (job, url_error) in jobs.iter().zip(url_errors) {
+        if let Some(e) = url_error {
+            results.push(Err(Error::InvalidJob(e).into()));
+            continue;
+        }
+        if let Some(&(id, state)) = job.idempotency_key.as_ref().and_then(|k| known.get(k)) {
+            results.push(Ok(Admitted {
+                id,
+                state,
+                created: false,
+            }));
+            continue;
+        }
+        let fits = match mode {
+            Admission::AllOrNothing => batch_fits,
+            Admission::EachJob => (fresh.len() as i64) < room,
+        };
+        if !fits {
+            rejected += 1;
+            results.push(Err(EnqueueError::Full {
+                name: name.to_owned(),
+                capacity: dest.capacity,
+                backlog: dest.backlog,
+                requested: 1,
+                retry_after_secs: 0, // filled in below
+            }));
+            continue;
         }
         let id = Uuid::now_v7();
         if let Some(key) = &job.idempotency_key {
             known.insert(key.clone(), (id, JobState::Queued));
         }
         fresh.push((id, job));
-        admitted.push(Admitted {
+        results.push(Ok(Admitted {
             id,
             state: JobState::Queued,
             created: true,
-        });
+        }));
     }
-    if fresh.is_empty() {
-        return Ok(admitted);
+    if mode == Admission::AllOrNothing && !batch_fits {
+        // Nothing goes in; the repeats found above are still reported as a rejection.
+        fresh.clear();
+        rejected = new_wanted;
     }
 
-    let requested = fresh.len() as i64;
-    if dest.backlog.saturating_add(requested) > dest.capacity {
+    if rejected > 0 {
         sqlx::query(
             "UPDATE sluice_destinations SET rejected_total = rejected_total + $2 WHERE id = $1",
         )
         .bind(dest.id)
-        .bind(requested)
+        .bind(rejected)
         .execute(&mut *conn)
         .await?;
         let gcra = Gcra {
             interval_us: dest.interval_us,
             burst: dest.burst.max(1) as u32,
         };
-        let need = dest
-            .backlog
-            .saturating_add(requested)
-            .saturating_sub(dest.capacity);
+        let backlog_after = dest.backlog + fresh.len() as i64;
+        let need = backlog_after
+            .saturating_add(if mode == Admission::AllOrNothing {
+                new_wanted
+            } else {
+                1
+            })
+            .saturating_sub(dest.capacity)
+            .max(1);
         let wait_us = gcra.drain_time_us(dest.next_slot_us, dest.now_us, need as u64);
-        return Err(EnqueueError::Full {
+        let secs = (wait_us.max(0) as u64).div_ceil(1_000_000).max(1);
+        let full = |requested| EnqueueError::Full {
             name: name.to_owned(),
             capacity: dest.capacity,
-            backlog: dest.backlog,
-            requested: fresh.len(),
-            retry_after_secs: (wait_us.max(0) as u64).div_ceil(1_000_000).max(1),
-        });
+            backlog: backlog_after,
+            requested,
+            retry_after_secs: secs,
+        };
+        if mode == Admission::AllOrNothing {
+            return Ok(jobs
+                .iter()
+                .map(|_| Err(full(new_wanted as usize)))
+                .collect());
+        }
+        for r in &mut results {
+            if matches!(r, Err(EnqueueError::Full { .. })) {
+                *r = Err(full(1));
+            }
+        }
+    }
+    if fresh.is_empty() {
+        return Ok(results);
     }
 
     insert_jobs(conn, &dest, &fresh).await?;
@@ -204,7 +297,7 @@ pub async fn enqueue_in(
       RETURNING due_at_us",
     )
     .bind(dest.id)
-    .bind(requested)
+    .bind(fresh.len() as i64)
     .bind(earliest_run_at)
     .fetch_one(&mut *conn)
     .await?;
@@ -212,39 +305,33 @@ pub async fn enqueue_in(
     if new_due.is_some() && (dest.due_at_us.is_none() || new_due < dest.due_at_us) {
         notify_wake(conn).await?;
     }
-    Ok(admitted)
+    Ok(results)
 }
 
 fn run_at(job: &NewJob, now: Micros) -> Micros {
     job.not_before_us.map_or(now, |nb| nb.max(now))
 }
 
-fn check_urls(jobs: &[NewJob], allowed: &[String]) -> Result<()> {
+/// The job's URL against the destination's allow-list (`None` when it passes).
+fn check_url(job: &NewJob, allowed: &[String], field: String) -> Option<FieldError> {
     if allowed.is_empty() {
-        return Ok(());
+        return None;
     }
-    for (i, job) in jobs.iter().enumerate() {
-        let url = parse_job_url(&job.url).map_err(|m| {
-            Error::InvalidJob(FieldError {
-                field: field_name(jobs.len(), i),
-                message: m,
-            })
-        })?;
-        if !url_allowed(&url, allowed) {
-            return Err(Error::InvalidJob(FieldError {
-                field: field_name(jobs.len(), i),
-                message: format!(
-                    "{:?} is not under the destination's allowed_base_urls {allowed:?}",
-                    job.url
-                ),
-            }));
-        }
+    match parse_job_url(&job.url) {
+        Err(m) => Some(FieldError { field, message: m }),
+        Ok(url) if !url_allowed(&url, allowed) => Some(FieldError {
+            field,
+            message: format!(
+                "{:?} is not under the destination's allowed_base_urls {allowed:?}",
+                job.url
+            ),
+        }),
+        Ok(_) => None,
     }
-    Ok(())
 }
 
-fn field_name(batch: usize, i: usize) -> String {
-    if batch == 1 {
+fn field_name(batch: usize, i: usize, mode: Admission) -> String {
+    if batch == 1 || mode == Admission::EachJob {
         "url".to_owned()
     } else {
         format!("jobs[{i}].url")

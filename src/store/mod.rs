@@ -8,6 +8,7 @@
 //! |---|---|
 //! | `destinations.rs` | upsert, pause, list, live figures |
 //! | `enqueue.rs` | atomic admission against capacity, idempotency |
+//! | `group.rs` | group commit: concurrent single enqueues share a transaction |
 //! | `jobs.rs` | job lookups, cancel |
 //! | `dispatch.rs` | claim with slots, completion, returning claims |
 //! | `maintenance.rs` | lease renewal and rescue, expiry, retention, requeue |
@@ -25,12 +26,14 @@ use crate::rate::Micros;
 mod destinations;
 mod dispatch;
 mod enqueue;
+mod group;
 mod jobs;
 mod maintenance;
 
 pub use destinations::DestinationStatus;
 pub use dispatch::{Claim, ClaimParams, ClaimedJob, Completion, Outcome, THROTTLE_CHANNEL};
 pub use enqueue::{enqueue_in, Admitted, EnqueueError};
+pub use group::Enqueuer;
 pub use jobs::JobFilter;
 pub use maintenance::MAINTENANCE_LOCK_KEY;
 
