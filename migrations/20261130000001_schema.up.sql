@@ -96,7 +96,15 @@ CREATE TABLE sluice_jobs (
     created_at_us    bigint  NOT NULL DEFAULT sluice_now_us(),
     updated_at_us    bigint  NOT NULL DEFAULT sluice_now_us(),
     finished_at_us   bigint
-) WITH (fillfactor = 80);
+) WITH (
+    fillfactor = 80,
+    -- Every job is inserted, updated twice and deleted by retention: vacuum early and
+    -- without throttling, or dead tuples pile up faster than autovacuum's defaults clear.
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_vacuum_cost_delay = 0
+);
 
 -- The claim query: per destination, queued jobs in (run_at, id) order.
 CREATE INDEX sluice_jobs_ready ON sluice_jobs (destination_id, run_at_us, id)

@@ -129,6 +129,9 @@ pub struct MaintenanceConfig {
     pub retention_hours: u64,
     /// Rows per pruning or rescue statement (small, so the hot path never waits).
     pub batch: u32,
+    /// VACUUM the jobs table after this many rows were pruned (0: leave it to
+    /// autovacuum). Without it a table that churns at queue speed keeps growing.
+    pub vacuum_after_rows: u64,
 }
 
 impl Default for MaintenanceConfig {
@@ -138,6 +141,7 @@ impl Default for MaintenanceConfig {
             interval_ms: 5_000,
             retention_hours: 168,
             batch: 1_000,
+            vacuum_after_rows: 100_000,
         }
     }
 }

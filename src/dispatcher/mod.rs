@@ -237,11 +237,16 @@ impl Dispatcher {
                     failures = 0;
                     let now = Instant::now();
                     match next_due {
-                        // Claim again when the next slot enters the horizon, but not more
-                        // often than every half horizon while busy: each claim then
-                        // covers many slots of fast destinations.
+                        // Claim again when the next slot comes within lead + horizon (so
+                        // a backlogged destination's schedule never runs dry while the
+                        // claim is in flight), but not more often than every half horizon
+                        // while busy: each claim then covers many slots of fast
+                        // destinations.
                         Some(due) => c
-                            .instant_at(due.saturating_sub(params.horizon_us))
+                            .instant_at(
+                                due.saturating_sub(params.horizon_us)
+                                    .saturating_sub(lead.lead_us()),
+                            )
                             .max(last_claim + horizon / 2)
                             .min(now + poll),
                         None => now + poll,

@@ -81,7 +81,18 @@ impl ReleaseTimer {
         let (tx, rx) = mpsc::channel();
         thread::Builder::new()
             .name("sluice-release".into())
-            .spawn(move || Worker::new(spin_margin).run(rx))?;
+            .spawn(move || {
+                // A preempted release thread makes every later release of a backlogged
+                // destination late (strict spacing cannot catch up), so ask the OS to
+                // favour it. Needs CAP_SYS_NICE; without it we run at normal priority.
+                match thread_priority::set_current_thread_priority(
+                    thread_priority::ThreadPriority::Max,
+                ) {
+                    Ok(()) => tracing::debug!("release thread runs at raised priority"),
+                    Err(e) => tracing::info!(error = ?e, "release thread keeps normal priority (no CAP_SYS_NICE)"),
+                }
+                Worker::new(spin_margin).run(rx)
+            })?;
         Ok(ReleaseTimer { tx })
     }
 
@@ -173,7 +184,11 @@ impl Worker {
                 continue;
             }
             let wake = if ticket.spin {
-                target.checked_sub(self.margin()).unwrap_or(target)
+                // Spin at most half an interval per release: a release thread spinning
+                // flat out takes a core from the work it releases, and on a small
+                // machine that costs more rate than the spin wins (docs/BENCHMARKS.md).
+                let margin = self.margin().min(ticket.interval / 2);
+                target.checked_sub(margin).unwrap_or(target)
             } else {
                 target
             };

@@ -31,11 +31,13 @@ pub const THROTTLE_CHANNEL: &str = "sluice_throttle";
 pub struct ClaimParams {
     /// The dispatcher claiming; completions are only accepted from the holder.
     pub worker_id: Uuid,
-    /// Claim slots up to this far ahead of the database clock.
+    /// Claim the slots falling within this long after `now + lead_us`.
     pub horizon_us: i64,
-    /// No slot is earlier than `now + lead_us`: the time from reading the clock to the
-    /// job waiting on the release thread. A slot the dispatcher cannot keep would be
-    /// released late, and another dispatcher may release the next slot on time.
+    /// On a destination another dispatcher also claims, no slot is earlier than
+    /// `now + lead_us`: the time from reading the clock to the job waiting on the release
+    /// thread. A slot the dispatcher cannot keep would be released late, and the other
+    /// dispatcher may release the next slot on time. A destination only this dispatcher
+    /// claims needs no lead: a late first release just starts its schedule that late.
     pub lead_us: i64,
     /// Destinations locked per claim.
     pub max_destinations: i64,
@@ -287,8 +289,15 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
         return Ok(Claim::default());
     };
     // GCRA runs from the earliest instant a claimed job can actually be released.
-    let now = db_now.saturating_add(p.lead_us.max(0));
-    let horizon_end = db_now.saturating_add(p.horizon_us).max(now);
+    let lead_for = |d: &DueDestination| {
+        if d.last_claimer.is_some_and(|w| w != p.worker_id) {
+            p.lead_us.max(0)
+        } else {
+            0
+        }
+    };
+    let max_lead = dests.iter().map(lead_for).max().unwrap_or(0);
+    let horizon_end = db_now.saturating_add(max_lead).saturating_add(p.horizon_us);
 
     // Upper bound of jobs per destination: slots within the horizon, in-flight headroom,
     // and the dispatcher's remaining budget.
@@ -299,6 +308,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
         // Slot i is max(now, A + i*T - tolerance) with A = max(next_slot, now); count
         // those not after the horizon.
         let tolerance = gcra_of(d).tolerance_us();
+        let now = db_now.saturating_add(lead_for(d));
         let a = d.next_slot_us.max(now);
         let reach = horizon_end.saturating_add(tolerance).saturating_sub(a);
         let slots = if reach < 0 {
@@ -362,6 +372,7 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
             continue;
         }
         let gcra = gcra_of(&plan.dest);
+        let now = db_now.saturating_add(lead_for(&plan.dest));
         let a = gcra.assign(plan.tat, now, c.run_at_us);
         if c.deadline_us.is_some_and(|dl| dl <= a.slot) {
             expired_ids.push(c.id);
@@ -377,6 +388,19 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
         plan.tat = a.next_tat;
     }
 
+    for plan in plans.values() {
+        if let Some(&(_, first, _, _)) = plan.claimed.first() {
+            let behind = first - plan.dest.next_slot_us;
+            if behind > 0 && plan.dest.next_slot_us > 0 {
+                tracing::debug!(
+                    destination = %plan.name,
+                    behind_us = behind,
+                    lead_us = p.lead_us,
+                    "claim started behind the destination's schedule"
+                );
+            }
+        }
+    }
     let mut ids = Vec::new();
     let mut slots = Vec::new();
     let mut leases = Vec::new();

@@ -140,6 +140,16 @@ impl Store {
         .rows_affected())
     }
 
+    /// Reclaims the space of deleted and updated job rows (and the hot destination
+    /// rows). Runs alongside normal traffic; needed even with autovacuum on, since a queue
+    /// table churns faster than autovacuum's defaults, and essential where it is off.
+    pub async fn vacuum(&self) -> Result<()> {
+        sqlx::query("VACUUM (ANALYZE) sluice_jobs, sluice_destinations")
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Puts a dead job back in line with a fresh set of attempts, subject to the
     /// destination's capacity like any enqueue.
     pub async fn retry_dead_job(&self, id: Uuid) -> Result<Job, EnqueueError> {

@@ -45,6 +45,9 @@ const ALL: [&str; 9] = [
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if std::env::var_os("RUST_LOG").is_some() {
+        sluice::telemetry::init();
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -14,12 +14,12 @@ use crate::env::{cpu, gaps, percentile, small_job, BenchDb, InProcess, Sink, Wor
 
 const SINK_THREADS: &str = "bench-sink";
 
+/// Sluice's defaults, with `SLUICE_*` environment overrides (to try settings), on the
+/// scenario's database.
 fn config(db: &BenchDb) -> Config {
-    let mut c = Config {
-        database_url: Some(db.url.clone()),
-        ..Config::default()
-    };
-    c.dispatcher.poll_interval_ms = 2_000;
+    let mut c =
+        Config::load(std::path::Path::new("/nonexistent/bench.toml"), false).unwrap_or_default();
+    c.database_url = Some(db.url.clone());
     c
 }
 
@@ -174,7 +174,32 @@ pub async fn high_rate(quick: bool) -> anyhow::Result<String> {
         wait_count(&sink, n, Duration::from_secs(60)).await?;
         let wall = t0.elapsed().as_secs_f64();
         let cpu_s = cpu::self_threads(SINK_THREADS) - cpu0;
-        let mut rel: Vec<Instant> = p.drain_releases().iter().map(|e| e.at).collect();
+        let events = p.drain_releases();
+        if std::env::var_os("BENCH_DEBUG").is_some() {
+            let lates: Vec<f64> = events.iter().map(|e| e.late.as_secs_f64() * 1e6).collect();
+            let k = lates.len();
+            eprintln!(
+                "late us at 10/50/90/100%: {:.0} {:.0} {:.0} {:.0}",
+                lates[k / 10],
+                lates[k / 2],
+                lates[k * 9 / 10],
+                lates[k - 1]
+            );
+            let mut at: Vec<Instant> = events.iter().map(|e| e.at).collect();
+            at.sort();
+            let t = 1e6 / rate as f64;
+            let big: Vec<f64> = at
+                .windows(2)
+                .map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 - t)
+                .filter(|x| *x > t * 0.1)
+                .collect();
+            eprintln!(
+                "gaps > 1.1 T: {} totalling {:.0} us extra",
+                big.len(),
+                big.iter().sum::<f64>()
+            );
+        }
+        let mut rel: Vec<Instant> = events.iter().map(|e| e.at).collect();
         rel.sort();
         let g = gaps(&rel);
         let interval_us = 1e6 / rate as f64;
@@ -278,12 +303,80 @@ async fn run_throughput(jobs: usize, workers: usize) -> anyhow::Result<Throughpu
     })
 }
 
+/// Sluice's database work alone: claim and complete as fast as possible, no HTTP. The
+/// ceiling the end-to-end figure is measured against.
+async fn database_only(jobs: usize) -> anyhow::Result<(f64, f64)> {
+    let db = BenchDb::create(16).await?;
+    let per = jobs / 100;
+    for d in 0..100 {
+        db.destination(
+            &format!("t{d}"),
+            serde_json::json!({"rate": "1000000/s", "capacity": per + 10, "paused": true}),
+        )
+        .await?;
+        db.fill(&format!("t{d}"), "http://127.0.0.1:9/", per)
+            .await?;
+    }
+    pause_all(&db, false).await?;
+    let pg0 = cpu::postgres();
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..2 {
+        let store = db.store.clone();
+        tasks.push(tokio::spawn(async move {
+            let params = sluice::store::ClaimParams {
+                worker_id: uuid::Uuid::now_v7(),
+                horizon_us: 30_000,
+                lead_us: 0,
+                max_destinations: 512,
+                max_jobs: 1_000,
+                max_per_destination: 1_000,
+                lease_margin_us: 30_000_000,
+            };
+            let mut done = 0usize;
+            loop {
+                let claim = store.claim(&params).await?;
+                if claim.jobs.is_empty() {
+                    if store.next_due().await?.is_none() {
+                        return Ok::<_, anyhow::Error>(done);
+                    }
+                    continue;
+                }
+                done += claim.jobs.len();
+                let completions: Vec<_> = claim
+                    .jobs
+                    .into_iter()
+                    .map(|j| {
+                        sluice::store::Completion::new(
+                            Arc::new(j),
+                            sluice::store::Outcome::Succeeded {
+                                status: 200,
+                                snippet: None,
+                            },
+                        )
+                    })
+                    .collect();
+                store.complete(params.worker_id, &completions).await?;
+            }
+        }));
+    }
+    let mut done = 0;
+    for t in tasks {
+        done += t.await??;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let pg = cpu::postgres() - pg0;
+    db.drop_db().await;
+    Ok((done as f64 / secs, pg / done as f64 * 1_000.0))
+}
+
 /// 20,000 jobs over 100 destinations with no effective limit.
 pub async fn throughput(quick: bool) -> anyhow::Result<String> {
     let jobs = if quick { 5_000 } else { 20_000 };
     let t = run_throughput(jobs, 0).await?;
+    let (db_rate, db_pg) = database_only(jobs).await?;
     Ok(format!(
-        "## throughput: {jobs} jobs over 100 destinations, no effective limit\n\n| jobs/s end to end | Sluice CPU s / 1k jobs | PostgreSQL CPU s / 1k jobs | transactions / job |\n|---|---|---|---|\n| {:.0} | {:.3} | {:.3} | {:.2} |\n\nTarget: ≥ 12,000 jobs/s (2× the best peer measured here, apalis 6.1k).\n",
+        "## throughput: {jobs} jobs over 100 destinations, no effective limit\n\n| run | jobs/s | Sluice CPU s / 1k jobs | PostgreSQL CPU s / 1k jobs | transactions / job |\n|---|---|---|---|---|\n| end to end (HTTP to the sink) | {:.0} | {:.3} | {:.3} | {:.2} |\n| database only: claim + complete, no HTTP (ceiling) | {db_rate:.0} | | {db_pg:.3} | |\n\nTarget: ≥ 12,000 jobs/s (2× the best peer measured here, apalis 6.1k).\n",
         t.jobs_per_s, t.sluice_cpu_per_1k, t.pg_cpu_per_1k, t.xacts_per_job
     ))
 }
@@ -590,7 +683,7 @@ pub async fn soak(quick: bool) -> anyhow::Result<String> {
         Duration::from_secs(30),
     );
     let maint_task = tokio::spawn(maint.run(maint_token.clone()));
-    let mut out = format!("## soak: {total} jobs through one database, pruning on (retention 0 h)\n\n| jobs done | jobs/s in this tenth | sluice_jobs total size MB |\n|---|---|---|\n");
+    let mut out = format!("## soak: {total} jobs through one database, pruning on (retention 0 h)\n\n| jobs done | jobs/s in this tenth | sluice_jobs total size MB | live rows | dead rows | vacuums so far |\n|---|---|---|---|---|---|\n");
     let producer_store = db.store.clone();
     let url = sink.url("/s");
     let producer = tokio::spawn(async move {
@@ -624,9 +717,18 @@ pub async fn soak(quick: bool) -> anyhow::Result<String> {
         let size: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('sluice_jobs')")
             .fetch_one(db.store.pool())
             .await?;
+        sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(db.store.pool())
+            .await?;
+        let (live, dead, vacuums): (i64, i64, i64) = sqlx::query_as(
+            "SELECT n_live_tup, n_dead_tup, vacuum_count + autovacuum_count FROM pg_stat_user_tables
+              WHERE relname = 'sluice_jobs'",
+        )
+        .fetch_one(db.store.pool())
+        .await?;
         let _ = writeln!(
             out,
-            "| {} | {rate:.0} | {:.1} |",
+            "| {} | {rate:.0} | {:.1} | {live} | {dead} | {vacuums} |",
             chunk * k,
             size as f64 / 1e6
         );
