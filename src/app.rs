@@ -40,12 +40,20 @@ impl Roles {
     };
 }
 
+/// The embedded store used when no database URL is configured.
+pub const DEFAULT_DATABASE_URL: &str = "sqlite:sluice.db";
+
+/// The configured database URL, or the embedded default.
+pub fn database_url(config: &Config) -> &str {
+    config
+        .database_url
+        .as_deref()
+        .unwrap_or(DEFAULT_DATABASE_URL)
+}
+
 /// Opens the configured store without touching the schema.
 pub fn open_store(config: &Config) -> anyhow::Result<Store> {
-    let url = config.database_url.as_deref().context(
-        "no database configured: set SLUICE_DATABASE_URL (or DATABASE_URL, or database_url \
-         in config.toml) to a postgres:// URL",
-    )?;
+    let url = database_url(config);
     let opts = StoreOptions {
         max_connections: config.database.max_connections,
         acquire_timeout: config.acquire_timeout(),
@@ -94,7 +102,32 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let store = open_store(&config)?;
-    tracing::info!(database = %redact(config.database_url.as_deref().unwrap_or_default()), "using PostgreSQL");
+    run_with_store(store, config, roles, listener, shutdown).await
+}
+
+/// [`run`] on a store the caller opened (tests share it with in-process dispatchers,
+/// which on the embedded store is how they hear about enqueues).
+pub async fn run_with_store(
+    store: Store,
+    config: Config,
+    roles: Roles,
+    listener: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    if store.is_embedded() {
+        tracing::info!(
+            "using the embedded SQLite store at {} (one process; for several workers set \
+             SLUICE_DATABASE_URL=postgres://user@host/db)",
+            database_url(&config)
+                .trim_start_matches("sqlite:")
+                .trim_start_matches("//")
+        );
+    } else {
+        tracing::info!(database = %redact(database_url(&config)), "using PostgreSQL");
+    }
+    if roles.dispatcher {
+        store.lock_for_dispatch()?;
+    }
     prepare(&config, &store, &shutdown).await?;
     let metrics = Arc::new(Metrics::default());
     let mut tasks = tokio::task::JoinSet::new();

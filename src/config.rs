@@ -20,7 +20,8 @@ use crate::destination::{DestinationConfig, DestinationName, DestinationSpec};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// PostgreSQL URL. Unset means no database is configured.
+    /// `postgres://…` for PostgreSQL, or `sqlite:PATH` for the embedded store. Unset:
+    /// the embedded store in `sluice.db` in the working directory.
     pub database_url: Option<String>,
     /// Address the HTTP API listens on (loopback by default: expose it deliberately).
     pub listen: SocketAddr,
@@ -233,11 +234,14 @@ impl Config {
     /// Checks ranges and destination settings. Called by [`Config::load`].
     pub fn validate(&self) -> Result<(), ConfigError> {
         if let Some(url) = &self.database_url {
-            if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            if !(url.starts_with("postgres://")
+                || url.starts_with("postgresql://")
+                || url.starts_with("sqlite:"))
+            {
                 return Err(invalid(
                     "database_url",
                     redact(url),
-                    "must be a postgres:// URL",
+                    "must be a postgres:// URL (or sqlite:PATH for the embedded store)",
                 ));
             }
         }

@@ -15,7 +15,7 @@ use crate::rate::Micros;
 use crate::timestamp::{format_us, parse_rfc3339};
 
 /// A job's place in its lifecycle (see `docs/state_machine.md`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
     /// Admitted and waiting for a slot. Left by a claim (→ running), a cancel, or expiry.

@@ -1,18 +1,18 @@
 //! Maintenance: lease rescue, expiry of overdue queued jobs, and retention.
 //!
 //! Every dispatcher process runs a [`Maintenance`] service, but only the one holding a
-//! PostgreSQL session advisory lock ([`MAINTENANCE_LOCK_KEY`]) does the work. The lock
+//! PostgreSQL session advisory lock ([`store::MAINTENANCE_LOCK_KEY`]) does the work (on
+//! the embedded store, the one dispatching process leads). The lock
 //! lives on a dedicated connection: when the leader dies, PostgreSQL sees its connection
 //! close and releases the lock, and another process takes over on its next attempt
 //! (within `maintenance.interval_ms`).
 
 use std::time::{Duration, Instant};
 
-use sqlx::{Connection as _, PgConnection};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::MaintenanceConfig;
-use crate::store::{self, Store, MAINTENANCE_LOCK_KEY};
+use crate::store::{self, Store};
 
 /// What one maintenance pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -117,27 +117,21 @@ impl Maintenance {
     /// Tries to take the lock; if it gets it, leads until the connection breaks or
     /// `cancel`. Returns `Ok` when another process holds the lock.
     async fn lead(&self, cancel: &CancellationToken, interval: Duration) -> store::Result<()> {
-        let options = self.store.pool().connect_options();
-        let mut conn = PgConnection::connect_with(&options).await?;
-        loop {
-            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-                .bind(MAINTENANCE_LOCK_KEY)
-                .fetch_one(&mut conn)
-                .await?;
-            if got {
-                break;
+        let mut leadership = loop {
+            if let Some(l) = self.store.try_lead().await? {
+                break l;
             }
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
                 _ = tokio::time::sleep(interval) => {}
             }
-        }
+        };
         tracing::info!("maintenance: this process is the leader");
         let since = Instant::now();
         let result = loop {
-            // The lock is only ours while this connection lives.
-            if let Err(e) = sqlx::query("SELECT 1").execute(&mut conn).await {
-                break Err(e.into());
+            // On PostgreSQL the lock is only ours while its connection lives.
+            if let Err(e) = leadership.check().await {
+                break Err(e);
             }
             let rescue = since.elapsed() >= self.rescue_grace;
             match self.run_once(rescue).await {
@@ -146,6 +140,7 @@ impl Maintenance {
                         rescued = r.rescued,
                         expired = r.expired,
                         pruned = r.pruned,
+                        vacuumed = r.vacuumed,
                         "maintenance pass"
                     );
                 }
@@ -157,8 +152,7 @@ impl Maintenance {
                 _ = tokio::time::sleep(interval) => {}
             }
         };
-        // Closing the connection releases the lock for the next leader.
-        let _ = conn.close().await;
+        leadership.release().await;
         tracing::info!("maintenance: leadership released");
         result
     }

@@ -28,9 +28,7 @@ use crate::config::DispatcherConfig;
 use crate::delivery::Deliverer;
 use crate::metrics::Metrics;
 use crate::rate::Micros;
-use crate::store::{
-    ClaimParams, ClaimedJob, Completion, Outcome, Store, THROTTLE_CHANNEL, WAKE_CHANNEL,
-};
+use crate::store::{ClaimParams, ClaimedJob, Completion, Notice, Outcome, Store};
 
 mod clock;
 mod completer;
@@ -417,59 +415,22 @@ async fn heartbeat(store: Store, worker_id: Uuid, margin: Duration, stop: Cancel
     }
 }
 
-/// Forwards `NOTIFY sluice_wake` to the claim loop, and `NOTIFY sluice_throttle`
-/// (a destination's next_slot moved) as `(destination, next_slot_us)`. On a lost
-/// connection it wakes the loop anyway (notifications may have been missed) and lets sqlx
-/// reconnect.
+/// Forwards the store's notices to the claim loop: wake-ups to `wake`, throttle shifts
+/// (a destination's next_slot moved) to `throttles`.
 async fn listen(
     store: Store,
     wake: Arc<Notify>,
     throttles: mpsc::UnboundedSender<(i64, Micros)>,
     stop: CancellationToken,
 ) {
-    let mut failures = 0u32;
-    while !stop.is_cancelled() {
-        let mut listener = match sqlx::postgres::PgListener::connect_with(store.pool()).await {
-            Ok(l) => l,
-            Err(e) => {
-                failures += 1;
-                if failures == 1 {
-                    tracing::warn!(error = %e, "cannot LISTEN; relying on polling until the database is back");
-                }
-                let backoff = Duration::from_millis(200 * u64::from(failures.min(10)));
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => continue,
-                }
-            }
-        };
-        if let Err(e) = listener.listen_all([WAKE_CHANNEL, THROTTLE_CHANNEL]).await {
-            tracing::warn!(error = %e, "LISTEN failed");
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-            }
+    let on = move |notice: Notice| match notice {
+        Notice::Wake => wake.notify_one(),
+        Notice::Throttle {
+            destination,
+            until_us,
+        } => {
+            let _ = throttles.send((destination, until_us));
         }
-        failures = 0;
-        wake.notify_one();
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                msg = listener.try_recv() => match msg {
-                    Ok(Some(n)) if n.channel() == THROTTLE_CHANNEL => {
-                        if let Some((d, s)) = n.payload().split_once(':') {
-                            if let (Ok(d), Ok(s)) = (d.parse(), s.parse()) {
-                                let _ = throttles.send((d, s));
-                            }
-                        }
-                    }
-                    Ok(Some(_)) => wake.notify_one(),
-                    // Connection lost: sqlx reconnects on the next call; we may have
-                    // missed notifications, so look for work now.
-                    Ok(None) => wake.notify_one(),
-                    Err(_) => { wake.notify_one(); break; }
-                }
-            }
-        }
-    }
+    };
+    store.listen(&on, &stop).await;
 }

@@ -139,18 +139,37 @@ async fn cli_creates_enqueues_lists_and_hits_capacity() {
 }
 
 #[tokio::test]
-async fn cli_without_database_or_with_bad_config_fails_clearly() {
+async fn cli_defaults_to_the_embedded_store_and_rejects_a_missing_config() {
+    // No database configured: the embedded store in the working directory.
+    let dir = std::env::temp_dir().join(format!("sluice-cli-{}", uuid::Uuid::now_v7().simple()));
+    std::fs::create_dir_all(&dir).expect("dir");
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["destinations"])
+        .args([
+            "destination",
+            "set",
+            "x",
+            "--rate",
+            "1/s",
+            "--capacity",
+            "5",
+        ])
         .env_remove("SLUICE_DATABASE_URL")
         .env_remove("DATABASE_URL")
-        .current_dir(std::env::temp_dir())
+        .current_dir(&dir)
         .output()
         .await
         .expect("run");
-    assert_ne!(out.status.code(), Some(0));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("SLUICE_DATABASE_URL"), "{err}");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        dir.join("sluice.db").exists(),
+        "embedded store created in the working directory"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["--config", "/nonexistent/sluice.toml", "destinations"])

@@ -225,7 +225,7 @@ async fn sigterm_finishes_in_flight_and_hands_back_claims() {
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     let _staying = Proc::spawn(&["worker"], &app.db.url, &[]).await;
     let held: i64 = sqlx::query_scalar("SELECT count(*) FROM sluice_jobs WHERE state = 'running'")
-        .fetch_one(app.store.pool())
+        .fetch_one(crate::harness::pg(&app.store))
         .await
         .expect("count");
     assert!(held >= 2, "the leaving worker holds claims: {held}");

@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use sluice::app::{self, Roles};
 use sluice::config::Config;
 use sluice::dispatcher::{Dispatcher, ReleaseEvent};
+use sluice::job::JobState;
 use sluice::metrics::Metrics;
 use sluice::store::{Store, StoreOptions};
 use sqlx::Connection as _;
@@ -28,15 +29,39 @@ pub fn admin_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
 }
 
+/// Which store a test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// A fresh database on the test PostgreSQL.
+    Postgres,
+    /// A fresh embedded SQLite file in a temporary directory.
+    Sqlite,
+}
+
 /// A database created for one test and dropped afterwards.
 pub struct TestDb {
     pub name: String,
     pub url: String,
+    dir: Option<std::path::PathBuf>,
 }
 
 impl TestDb {
     pub async fn create() -> TestDb {
+        Self::create_on(Backend::Postgres).await
+    }
+
+    pub async fn create_on(backend: Backend) -> TestDb {
         let name = format!("sluice_test_{}", uuid::Uuid::now_v7().simple());
+        if backend == Backend::Sqlite {
+            let dir = std::env::temp_dir().join(&name);
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let url = format!("sqlite:{}", dir.join("sluice.db").display());
+            return TestDb {
+                name,
+                url,
+                dir: Some(dir),
+            };
+        }
         let mut conn = sqlx::PgConnection::connect(&admin_url())
             .await
             .expect("connect to the test PostgreSQL (is it running? see README)");
@@ -49,12 +74,20 @@ impl TestDb {
             Some(i) => format!("{}/{name}", &base[..i]),
             None => panic!("admin URL has no database path"),
         };
-        TestDb { name, url }
+        TestDb {
+            name,
+            url,
+            dir: None,
+        }
     }
 }
 
 impl Drop for TestDb {
     fn drop(&mut self) {
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+            return;
+        }
         let name = self.name.clone();
         // Drop from a separate thread with its own runtime: Drop cannot await.
         let _ = std::thread::spawn(move || {
@@ -76,6 +109,30 @@ impl Drop for TestDb {
         })
         .join();
     }
+}
+
+/// Defines a test that runs once on each store: `NAME::postgres` and `NAME::sqlite`.
+#[macro_export]
+macro_rules! both_stores {
+    ($(#[doc = $doc:literal])* async fn $name:ident($backend:ident) $body:block) => {
+        $(#[doc = $doc])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            async fn run($backend: $crate::harness::Backend) $body
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                run($crate::harness::Backend::Postgres).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                run($crate::harness::Backend::Sqlite).await
+            }
+        }
+    };
 }
 
 /// A config for tests: the given database, port 0, fast polling.
@@ -109,23 +166,43 @@ impl TestApp {
         Self::start(|_| {}, 0).await
     }
 
-    /// The API and one dispatcher.
-    pub async fn with_dispatcher() -> TestApp {
-        Self::start(|_| {}, 1).await
+    /// The API with config tweaks and `dispatchers` in-process dispatchers, on
+    /// PostgreSQL.
+    pub async fn start(tweak: impl FnOnce(&mut Config), dispatchers: usize) -> TestApp {
+        Self::start_on(Backend::Postgres, tweak, dispatchers).await
     }
 
-    /// The API with config tweaks and `dispatchers` in-process dispatchers.
-    pub async fn start(tweak: impl FnOnce(&mut Config), dispatchers: usize) -> TestApp {
+    /// The API only, on `backend`.
+    pub async fn api_only_on(backend: Backend) -> TestApp {
+        Self::start_on(backend, |_| {}, 0).await
+    }
+
+    /// The API and one dispatcher, on `backend`.
+    pub async fn with_dispatcher_on(backend: Backend) -> TestApp {
+        Self::start_on(backend, |_| {}, 1).await
+    }
+
+    /// The API with config tweaks and `dispatchers` in-process dispatchers, on `backend`.
+    pub async fn start_on(
+        backend: Backend,
+        tweak: impl FnOnce(&mut Config),
+        dispatchers: usize,
+    ) -> TestApp {
         if std::env::var_os("TEST_LOG").is_some() {
             sluice::telemetry::init();
         }
-        let db = TestDb::create().await;
+        let db = TestDb::create_on(backend).await;
         let mut config = test_config(&db.url);
         tweak(&mut config);
         let shutdown = CancellationToken::new();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let mut tasks = tokio::task::JoinSet::new();
+        // One store for the API and the in-process dispatchers: on the embedded store
+        // that is how they hear about enqueues.
+        let store = Store::connect(&db.url, &StoreOptions::default())
+            .await
+            .expect("store");
         {
             let config = config.clone();
             let token = shutdown.clone();
@@ -133,15 +210,15 @@ impl TestApp {
                 api: true,
                 dispatcher: false,
             };
+            let store = store.clone();
             tasks.spawn(async move {
-                if let Err(e) = app::run(config, roles, Some(listener), token).await {
+                if let Err(e) =
+                    app::run_with_store(store, config, roles, Some(listener), token).await
+                {
                     panic!("app failed: {e:#}");
                 }
             });
         }
-        let store = Store::connect(&db.url, &StoreOptions::default())
-            .await
-            .expect("store");
         let http = reqwest::Client::new();
         // Wait for migrations and the listener.
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -270,12 +347,11 @@ impl TestApp {
 pub async fn wait_idle(store: &Store, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
-        let open: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM sluice_jobs WHERE state IN ('queued', 'running')",
-        )
-        .fetch_one(store.pool())
-        .await
-        .expect("count");
+        let counts = store.job_counts().await.expect("counts");
+        let open: i64 = [JobState::Queued, JobState::Running]
+            .iter()
+            .map(|s| counts.get(s).copied().unwrap_or(0))
+            .sum();
         if open == 0 {
             return;
         }
@@ -289,34 +365,28 @@ pub async fn wait_idle(store: &Store, timeout: Duration) {
 
 /// Counters on destination rows must equal what the job rows say.
 pub async fn check_counters(store: &Store) {
-    let rows: Vec<(String, i64, i32, i64, i64)> = sqlx::query_as(
-        "SELECT d.name, d.backlog, d.in_flight,
-                (SELECT count(*) FROM sluice_jobs j WHERE j.destination_id = d.id
-                    AND j.state IN ('queued', 'running')),
-                (SELECT count(*) FROM sluice_jobs j WHERE j.destination_id = d.id
-                    AND j.state = 'running')
-           FROM sluice_destinations d",
-    )
-    .fetch_all(store.pool())
-    .await
-    .expect("counters");
-    for (name, backlog, in_flight, open, running) in rows {
-        assert_eq!(backlog, open, "{name}: backlog counter vs open jobs");
-        assert_eq!(
-            i64::from(in_flight),
-            running,
-            "{name}: in_flight counter vs running jobs"
-        );
-    }
+    let drift = store.audit().await.expect("audit");
+    assert!(
+        drift.is_empty(),
+        "destination counters disagree with job rows: {drift:?}"
+    );
 }
 
-/// Counts jobs per state.
+/// Counts jobs in a state.
 pub async fn count_state(store: &Store, state: &str) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM sluice_jobs WHERE state = $1")
-        .bind(state)
-        .fetch_one(store.pool())
+    let state: JobState = state.parse().expect("state");
+    store
+        .job_counts()
         .await
-        .expect("count")
+        .expect("counts")
+        .get(&state)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// The PostgreSQL pool of a store (for tests that only run on PostgreSQL).
+pub fn pg(store: &Store) -> &sqlx::PgPool {
+    store.pg_pool().expect("this test runs on PostgreSQL")
 }
 
 /// One request the sink received.

@@ -14,156 +14,158 @@ use crate::harness::{check_counters, count_state, FaultSink, Reply, Sink, TestAp
 
 const MS: Duration = Duration::from_millis(1);
 
-/// A downstream that resets connections, hangs, sends 10 MB, or alternates: every job
-/// ends in the right state, and another destination is not held up.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn downstream_faults_end_in_correct_states() {
-    let faults = FaultSink::start().await;
-    let sink = Sink::ok().await;
-    let app = TestApp::with_dispatcher().await;
-    app.put_destination(
-        "bad",
-        json!({"rate": "200/s", "capacity": 100, "timeout_ms": 300, "max_attempts": 3,
-               "backoff_base_ms": 10, "backoff_cap_ms": 50}),
-    )
-    .await;
-    app.put_destination("good", json!({"rate": "20/s", "capacity": 100}))
+crate::both_stores! {
+    /// A downstream that resets connections, hangs, sends 10 MB, or alternates: every job
+    /// ends in the right state, and another destination is not held up.
+    async fn downstream_faults_end_in_correct_states(backend) {
+        let faults = FaultSink::start().await;
+        let sink = Sink::ok().await;
+        let app = TestApp::with_dispatcher_on(backend).await;
+        app.put_destination(
+            "bad",
+            json!({"rate": "200/s", "capacity": 100, "timeout_ms": 300, "max_attempts": 3,
+                   "backoff_base_ms": 10, "backoff_cap_ms": 50}),
+        )
         .await;
-    let mut ids: HashMap<&str, Vec<String>> = HashMap::new();
-    for path in ["/ok", "/reset", "/hang", "/huge", "/flaky"] {
+        app.put_destination("good", json!({"rate": "20/s", "capacity": 100}))
+            .await;
+        let mut ids: HashMap<&str, Vec<String>> = HashMap::new();
+        for path in ["/ok", "/reset", "/hang", "/huge", "/flaky"] {
+            for _ in 0..2 {
+                let (s, b) = app.enqueue("bad", json!({"url": faults.url(path)})).await;
+                assert_eq!(s, 202);
+                ids.entry(path)
+                    .or_default()
+                    .push(b["id"].as_str().expect("id").to_owned());
+            }
+        }
         for _ in 0..2 {
-            let (s, b) = app.enqueue("bad", json!({"url": faults.url(path)})).await;
-            assert_eq!(s, 202);
-            ids.entry(path)
+            let (_, b) = app
+                .enqueue("bad", json!({"url": "http://127.0.0.1:9/refused"}))
+                .await;
+            ids.entry("refused")
                 .or_default()
                 .push(b["id"].as_str().expect("id").to_owned());
         }
-    }
-    for _ in 0..2 {
-        let (_, b) = app
-            .enqueue("bad", json!({"url": "http://127.0.0.1:9/refused"}))
-            .await;
-        ids.entry("refused")
-            .or_default()
-            .push(b["id"].as_str().expect("id").to_owned());
-    }
-    let t0 = Instant::now();
-    app.enqueue_many("good", &sink.url("/good"), 10).await;
-    let good = sink.wait_for("/good", 10, Duration::from_secs(5)).await;
-    let took = good[9].at - t0;
-    assert!(
-        took < 1_500 * MS,
-        "the healthy destination was held up: {took:?}"
-    );
+        let t0 = Instant::now();
+        app.enqueue_many("good", &sink.url("/good"), 10).await;
+        let good = sink.wait_for("/good", 10, Duration::from_secs(5)).await;
+        let took = good[9].at - t0;
+        assert!(
+            took < 1_500 * MS,
+            "the healthy destination was held up: {took:?}"
+        );
 
-    app.wait_idle(Duration::from_secs(20)).await;
-    let state_of = |id: &str| {
-        let store = app.store.clone();
-        let id: uuid::Uuid = id.parse().expect("uuid");
-        async move { store.get_job(id).await.expect("get").expect("exists") }
-    };
-    for (path, want, attempts, error) in [
-        ("/ok", "succeeded", 1, ""),
-        ("/huge", "succeeded", 1, ""),
-        ("/reset", "dead", 3, "request failed"),
-        ("/hang", "dead", 3, "timed out"),
-        ("refused", "dead", 3, "connection failed"),
-    ] {
-        for id in &ids[path] {
-            let j = state_of(id).await;
-            assert_eq!(j.state.as_str(), want, "{path}: {j:?}");
-            assert_eq!(j.attempts, attempts, "{path}: {j:?}");
-            let err = j.last_error.clone().unwrap_or_default();
-            assert!(err.contains(error), "{path}: error {err:?}");
-            if path == "/huge" {
-                let snippet = j.response_snippet.unwrap_or_default();
-                assert!(
-                    snippet.len() <= 2_048,
-                    "read at most a snippet: {}",
-                    snippet.len()
-                );
+        app.wait_idle(Duration::from_secs(20)).await;
+        let state_of = |id: &str| {
+            let store = app.store.clone();
+            let id: uuid::Uuid = id.parse().expect("uuid");
+            async move { store.get_job(id).await.expect("get").expect("exists") }
+        };
+        for (path, want, attempts, error) in [
+            ("/ok", "succeeded", 1, ""),
+            ("/huge", "succeeded", 1, ""),
+            ("/reset", "dead", 3, "request failed"),
+            ("/hang", "dead", 3, "timed out"),
+            ("refused", "dead", 3, "connection failed"),
+        ] {
+            for id in &ids[path] {
+                let j = state_of(id).await;
+                assert_eq!(j.state.as_str(), want, "{path}: {j:?}");
+                assert_eq!(j.attempts, attempts, "{path}: {j:?}");
+                let err = j.last_error.clone().unwrap_or_default();
+                assert!(err.contains(error), "{path}: error {err:?}");
+                if path == "/huge" {
+                    let snippet = j.response_snippet.unwrap_or_default();
+                    assert!(
+                        snippet.len() <= 2_048,
+                        "read at most a snippet: {}",
+                        snippet.len()
+                    );
+                }
             }
         }
+        // /flaky resets every other connection (shared between its two jobs): both succeed,
+        // at least one after a retry.
+        let mut flaky_attempts = 0;
+        for id in &ids["/flaky"] {
+            let j = state_of(id).await;
+            assert_eq!(j.state.as_str(), "succeeded", "{j:?}");
+            flaky_attempts += j.attempts;
+        }
+        assert!(flaky_attempts >= 3, "a reset was retried: {flaky_attempts}");
+        assert_eq!(faults.hits("/hang"), 6);
+        check_counters(&app.store).await;
+        app.stop().await;
     }
-    // /flaky resets every other connection (shared between its two jobs): both succeed,
-    // at least one after a retry.
-    let mut flaky_attempts = 0;
-    for id in &ids["/flaky"] {
-        let j = state_of(id).await;
-        assert_eq!(j.state.as_str(), "succeeded", "{j:?}");
-        flaky_attempts += j.attempts;
-    }
-    assert!(flaky_attempts >= 3, "a reset was retried: {flaky_attempts}");
-    assert_eq!(faults.hits("/hang"), 6);
-    check_counters(&app.store).await;
-    app.stop().await;
 }
 
-/// A dead job can be put back in line (API and CLI), subject to capacity.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_jobs_can_be_retried() {
-    let sink = Sink::start(|_, n| {
-        if n == 0 {
-            Reply::status(404)
-        } else {
-            Reply::ok()
-        }
-    })
-    .await;
-    let app = TestApp::with_dispatcher().await;
-    app.put_destination("r", json!({"rate": "50/s", "capacity": 2}))
+crate::both_stores! {
+    /// A dead job can be put back in line (API and CLI), subject to capacity.
+    async fn dead_jobs_can_be_retried(backend) {
+        let sink = Sink::start(|_, n| {
+            if n == 0 {
+                Reply::status(404)
+            } else {
+                Reply::ok()
+            }
+        })
         .await;
-    let (_, b) = app.enqueue("r", json!({"url": sink.url("/r")})).await;
-    let id = b["id"].as_str().expect("id").to_owned();
-    app.wait_idle(Duration::from_secs(5)).await;
-    let retry = |id: String| {
-        let app = &app;
-        async move {
-            let r = app
-                .http
-                .post(app.url(&format!("/v1/jobs/{id}/retry")))
-                .send()
-                .await
-                .expect("request");
-            (
-                r.status().as_u16(),
-                r.json::<serde_json::Value>().await.unwrap_or_default(),
-            )
-        }
-    };
-    // Full: two more queued jobs on a paused destination fill it.
-    app.put_destination("r", json!({"rate": "50/s", "capacity": 2, "paused": true}))
+        let app = TestApp::with_dispatcher_on(backend).await;
+        app.put_destination("r", json!({"rate": "50/s", "capacity": 2}))
+            .await;
+        let (_, b) = app.enqueue("r", json!({"url": sink.url("/r")})).await;
+        let id = b["id"].as_str().expect("id").to_owned();
+        app.wait_idle(Duration::from_secs(5)).await;
+        let retry = |id: String| {
+            let app = &app;
+            async move {
+                let r = app
+                    .http
+                    .post(app.url(&format!("/v1/jobs/{id}/retry")))
+                    .send()
+                    .await
+                    .expect("request");
+                (
+                    r.status().as_u16(),
+                    r.json::<serde_json::Value>().await.unwrap_or_default(),
+                )
+            }
+        };
+        // Full: two more queued jobs on a paused destination fill it.
+        app.put_destination("r", json!({"rate": "50/s", "capacity": 2, "paused": true}))
+            .await;
+        let (_, other) = app.enqueue("r", json!({"url": sink.url("/r")})).await;
+        app.enqueue("r", json!({"url": sink.url("/r")})).await;
+        let (status, body) = retry(id.clone()).await;
+        assert_eq!(status, 429, "{body}");
+        let (status, body) = retry(other["id"].as_str().expect("id").to_owned()).await;
+        assert_eq!(status, 409, "only dead jobs: {body}");
+        let (code, _, _) = crate::harness::cli(
+            &["jobs", "cancel", other["id"].as_str().expect("id")],
+            &app.db.url,
+        )
         .await;
-    let (_, other) = app.enqueue("r", json!({"url": sink.url("/r")})).await;
-    app.enqueue("r", json!({"url": sink.url("/r")})).await;
-    let (status, body) = retry(id.clone()).await;
-    assert_eq!(status, 429, "{body}");
-    let (status, body) = retry(other["id"].as_str().expect("id").to_owned()).await;
-    assert_eq!(status, 409, "only dead jobs: {body}");
-    let (code, _, _) = crate::harness::cli(
-        &["jobs", "cancel", other["id"].as_str().expect("id")],
-        &app.db.url,
-    )
-    .await;
-    assert_eq!(code, 0);
-    let (code, out, err) = crate::harness::cli(&["jobs", "retry", &id], &app.db.url).await;
-    assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains("queued"), "{out}");
-    app.put_destination("r", json!({"rate": "50/s", "capacity": 2, "paused": false}))
-        .await;
-    app.wait_idle(Duration::from_secs(5)).await;
-    let j = app
-        .store
-        .get_job(id.parse().expect("uuid"))
-        .await
-        .expect("get")
-        .expect("exists");
-    assert_eq!(j.state.as_str(), "succeeded");
-    assert_eq!(j.attempts, 1, "fresh attempts");
-    let (status, _) = retry(uuid::Uuid::now_v7().to_string()).await;
-    assert_eq!(status, 404);
-    check_counters(&app.store).await;
-    app.stop().await;
+        assert_eq!(code, 0);
+        let (code, out, err) = crate::harness::cli(&["jobs", "retry", &id], &app.db.url).await;
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(out.contains("queued"), "{out}");
+        app.put_destination("r", json!({"rate": "50/s", "capacity": 2, "paused": false}))
+            .await;
+        app.wait_idle(Duration::from_secs(5)).await;
+        let j = app
+            .store
+            .get_job(id.parse().expect("uuid"))
+            .await
+            .expect("get")
+            .expect("exists");
+        assert_eq!(j.state.as_str(), "succeeded");
+        assert_eq!(j.attempts, 1, "fresh attempts");
+        let (status, _) = retry(uuid::Uuid::now_v7().to_string()).await;
+        assert_eq!(status, 404);
+        check_counters(&app.store).await;
+        app.stop().await;
+    }
 }
 
 async fn fresh_store() -> (TestDb, Store) {
@@ -225,7 +227,7 @@ async fn maintenance_rescues_expires_and_prunes() {
     // One of them was on its last attempt.
     sqlx::query("UPDATE sluice_jobs SET attempts = 2 WHERE id = $1")
         .bind(claim.jobs[0].id)
-        .execute(store.pool())
+        .execute(crate::harness::pg(&store))
         .await
         .expect("update");
     let config = sluice::config::MaintenanceConfig {
@@ -256,7 +258,7 @@ async fn maintenance_rescues_expires_and_prunes() {
     sqlx::query(
         "UPDATE sluice_jobs SET finished_at_us = finished_at_us - 7200000000 WHERE state = 'dead'",
     )
-    .execute(store.pool())
+    .execute(crate::harness::pg(&store))
     .await
     .expect("age");
     let r = m.run_once(false).await.expect("pass");
@@ -292,7 +294,7 @@ async fn maintenance_has_one_leader_and_fails_over() {
                   WHERE l.locktype = 'advisory' AND l.granted AND d.datname = $1",
             )
             .bind(name)
-            .fetch_all(store.pool())
+            .fetch_all(crate::harness::pg(&store))
             .await
             .expect("locks")
         }

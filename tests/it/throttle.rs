@@ -117,9 +117,13 @@ async fn retry_after_holds_every_worker() {
     app.stop().await;
 }
 
-async fn one_throttle(reply: Reply, settings: serde_json::Value) -> (TestApp, Sink, Duration) {
+async fn one_throttle(
+    backend: crate::harness::Backend,
+    reply: Reply,
+    settings: serde_json::Value,
+) -> (TestApp, Sink, Duration) {
     let sink = Sink::start(move |_, n| if n == 1 { reply.clone() } else { Reply::ok() }).await;
-    let app = TestApp::with_dispatcher().await;
+    let app = TestApp::with_dispatcher_on(backend).await;
     let mut dest = json!({"rate": "20/s", "capacity": 100, "paused": true});
     if let (Some(d), Some(extra)) = (dest.as_object_mut(), settings.as_object()) {
         d.extend(extra.clone());
@@ -135,208 +139,218 @@ async fn one_throttle(reply: Reply, settings: serde_json::Value) -> (TestApp, Si
     (app, sink, pause)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retry_after_as_an_http_date() {
-    let date = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(3));
-    let (app, _sink, pause) =
-        one_throttle(Reply::status(503).header("retry-after", &date), json!({})).await;
-    // Whole-second dates: between 2 and 3 s from now.
-    assert!(pause >= 1_900 * MS && pause < 3_500 * MS, "{pause:?}");
-    app.stop().await;
+crate::both_stores! {
+    async fn retry_after_as_an_http_date(backend) {
+        let date = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(3));
+        let (app, _sink, pause) =
+            one_throttle(backend, Reply::status(503).header("retry-after", &date), json!({})).await;
+        // Whole-second dates: between 2 and 3 s from now.
+        assert!(pause >= 1_900 * MS && pause < 3_500 * MS, "{pause:?}");
+        app.stop().await;
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retry_after_in_the_past_means_the_floor() {
-    let date = httpdate::fmt_http_date(SystemTime::now() - Duration::from_secs(60));
-    let (app, _sink, pause) = one_throttle(
-        Reply::status(429).header("retry-after", &date),
-        json!({"throttle_floor_ms": 400}),
-    )
-    .await;
-    assert!(pause >= 380 * MS && pause < 1_000 * MS, "{pause:?}");
-    app.stop().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn garbage_retry_after_falls_back_to_the_throttle_backoff() {
-    let (app, _sink, pause) = one_throttle(
-        Reply::status(429).header("retry-after", "banana"),
-        json!({"throttle_floor_ms": 100, "throttle_backoff_base_ms": 700}),
-    )
-    .await;
-    assert!(pause >= 680 * MS && pause < 1_500 * MS, "{pause:?}");
-    let d = app
-        .store
-        .get_destination("f")
-        .await
-        .expect("get")
-        .expect("exists");
-    assert_eq!(
-        d.throttle_streak, 0,
-        "the success after it reset the streak"
-    );
-    assert_eq!(d.throttled_total, 1);
-    app.stop().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn absurd_retry_after_is_capped() {
-    let (app, _sink, pause) = one_throttle(
-        Reply::status(429).header("retry-after", "99999999"),
-        json!({"retry_after_max_ms": 1500}),
-    )
-    .await;
-    assert!(pause >= 1_480 * MS && pause < 2_300 * MS, "{pause:?}");
-    let jobs = app
-        .store
-        .list_jobs(&Default::default())
-        .await
-        .expect("list");
-    let throttled = jobs
-        .iter()
-        .find(|j| j.throttles == 1)
-        .expect("the throttled job");
-    assert_eq!(
-        throttled.last_retry_after_ms,
-        Some(1_500),
-        "99999999 s clamped to the cap"
-    );
-    assert_eq!(throttled.attempts, 1);
-    app.stop().await;
-}
-
-/// Exhaustion announced on a *successful* response pauses the destination until the
-/// reset, read as epoch seconds because the destination says so.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn x_ratelimit_reset_pauses_until_the_reset() {
-    let sink = Sink::start(|_, n| {
-        if n == 1 {
-            Reply::ok()
-                .header("x-ratelimit-remaining", "0")
-                .header("x-ratelimit-reset", &(unix_now() + 2).to_string())
-        } else {
-            Reply::ok()
-        }
-    })
-    .await;
-    let app = TestApp::with_dispatcher().await;
-    let dest = json!({"rate": "20/s", "capacity": 100, "ratelimit_reset": "epoch"});
-    app.put_destination("x", dest).await;
-    app.enqueue_many("x", &sink.url("/x"), 4).await;
-    sink.wait_for("/x", 4, Duration::from_secs(10)).await;
-    app.wait_idle(Duration::from_secs(5)).await;
-    let pause = pause_after(&sink, "/x", 1);
-    // Reset is whole seconds 2 s after the sink's clock: 1 to 2 s from the response.
-    assert!(pause >= 900 * MS && pause < 3_000 * MS, "{pause:?}");
-    assert_eq!(
-        count_state(&app.store, "succeeded").await,
-        4,
-        "no job failed"
-    );
-    let jobs = app
-        .store
-        .list_jobs(&Default::default())
-        .await
-        .expect("list");
-    assert!(jobs.iter().all(|j| j.attempts == 1 && j.throttles == 0));
-    app.stop().await;
-}
-
-/// One destination held by Retry-After does not delay another.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_throttled_destination_does_not_delay_another() {
-    let sink = Sink::start(|a, _| {
-        if a.path == "/held" {
-            Reply::status(429).header("retry-after", "3")
-        } else {
-            Reply::ok()
-        }
-    })
-    .await;
-    let app = TestApp::with_dispatcher().await;
-    app.put_destination(
-        "held",
-        json!({"rate": "20/s", "capacity": 100, "max_throttles": 1000}),
-    )
-    .await;
-    app.put_destination("free", json!({"rate": "20/s", "capacity": 100}))
+crate::both_stores! {
+    async fn retry_after_in_the_past_means_the_floor(backend) {
+        let date = httpdate::fmt_http_date(SystemTime::now() - Duration::from_secs(60));
+        let (app, _sink, pause) = one_throttle(
+            backend,
+            Reply::status(429).header("retry-after", &date),
+            json!({"throttle_floor_ms": 400}),
+        )
         .await;
-    app.enqueue_many("held", &sink.url("/held"), 5).await;
-    tokio::time::sleep(100 * MS).await;
-    let t0 = Instant::now();
-    app.enqueue_many("free", &sink.url("/free"), 10).await;
-    let free = sink.wait_for("/free", 10, Duration::from_secs(5)).await;
-    let took = free[9].at - t0;
-    assert!(
-        took < 1_200 * MS,
-        "10 jobs at 20/s took {took:?} next to a throttled destination"
-    );
-    assert_eq!(
-        sink.arrivals_at("/held").len(),
-        1,
-        "held destination waited"
-    );
-    let d = app
-        .store
-        .get_destination("held")
-        .await
-        .expect("get")
-        .expect("exists");
-    assert!(d.throttled, "the API shows the hold: {d:?}");
-    assert!(d.delay_ms > 1_000, "and when it resumes: {}", d.delay_ms);
-    app.stop().await;
+        assert!(pause >= 380 * MS && pause < 1_000 * MS, "{pause:?}");
+        app.stop().await;
+    }
 }
 
-/// Adaptive rate: repeated 429s lower the effective rate, successes raise it back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn adaptive_rate_backs_off_and_recovers() {
-    let sink = Sink::start(|_, n| {
-        if n < 3 {
-            Reply::status(429).header("retry-after", "0")
-        } else {
-            Reply::ok()
-        }
-    })
-    .await;
-    let app = TestApp::with_dispatcher().await;
-    app.put_destination(
-        "a",
-        json!({"rate": "100/s", "capacity": 500, "adaptive_rate": true, "throttle_floor_ms": 10}),
-    )
-    .await;
-    app.enqueue_many("a", &sink.url("/a"), 3).await;
-    sink.wait_for("/a", 4, Duration::from_secs(5)).await;
-    app.wait_idle(Duration::from_secs(5)).await;
-    let d = app
-        .store
-        .get_destination("a")
-        .await
-        .expect("get")
-        .expect("exists");
-    eprintln!("after 3 throttles: {} /s", d.effective_rate_per_second);
-    assert!(
-        d.effective_rate_per_second < 30.0,
-        "lowered: {}",
-        d.effective_rate_per_second
-    );
-    let lowered = d.effective_rate_per_second;
-    app.enqueue_many("a", &sink.url("/a"), 60).await;
-    app.wait_idle(Duration::from_secs(20)).await;
-    let d = app
-        .store
-        .get_destination("a")
-        .await
-        .expect("get")
-        .expect("exists");
-    eprintln!("after 60 successes: {} /s", d.effective_rate_per_second);
-    assert!(
-        d.effective_rate_per_second > lowered * 1.5,
-        "recovering: {}",
-        d.effective_rate_per_second
-    );
-    assert!(
-        d.effective_rate_per_second <= 100.0 + 1e-9,
-        "never above the configured rate"
-    );
-    app.stop().await;
+crate::both_stores! {
+    async fn garbage_retry_after_falls_back_to_the_throttle_backoff(backend) {
+        let (app, _sink, pause) = one_throttle(
+            backend,
+            Reply::status(429).header("retry-after", "banana"),
+            json!({"throttle_floor_ms": 100, "throttle_backoff_base_ms": 700}),
+        )
+        .await;
+        assert!(pause >= 680 * MS && pause < 1_500 * MS, "{pause:?}");
+        let d = app
+            .store
+            .get_destination("f")
+            .await
+            .expect("get")
+            .expect("exists");
+        assert_eq!(
+            d.throttle_streak, 0,
+            "the success after it reset the streak"
+        );
+        assert_eq!(d.throttled_total, 1);
+        app.stop().await;
+    }
+}
+
+crate::both_stores! {
+    async fn absurd_retry_after_is_capped(backend) {
+        let (app, _sink, pause) = one_throttle(
+            backend,
+            Reply::status(429).header("retry-after", "99999999"),
+            json!({"retry_after_max_ms": 1500}),
+        )
+        .await;
+        assert!(pause >= 1_480 * MS && pause < 2_300 * MS, "{pause:?}");
+        let jobs = app
+            .store
+            .list_jobs(&Default::default())
+            .await
+            .expect("list");
+        let throttled = jobs
+            .iter()
+            .find(|j| j.throttles == 1)
+            .expect("the throttled job");
+        assert_eq!(
+            throttled.last_retry_after_ms,
+            Some(1_500),
+            "99999999 s clamped to the cap"
+        );
+        assert_eq!(throttled.attempts, 1);
+        app.stop().await;
+    }
+}
+
+crate::both_stores! {
+    /// Exhaustion announced on a *successful* response pauses the destination until the
+    /// reset, read as epoch seconds because the destination says so.
+    async fn x_ratelimit_reset_pauses_until_the_reset(backend) {
+        let sink = Sink::start(|_, n| {
+            if n == 1 {
+                Reply::ok()
+                    .header("x-ratelimit-remaining", "0")
+                    .header("x-ratelimit-reset", &(unix_now() + 2).to_string())
+            } else {
+                Reply::ok()
+            }
+        })
+        .await;
+        let app = TestApp::with_dispatcher_on(backend).await;
+        let dest = json!({"rate": "20/s", "capacity": 100, "ratelimit_reset": "epoch"});
+        app.put_destination("x", dest).await;
+        app.enqueue_many("x", &sink.url("/x"), 4).await;
+        sink.wait_for("/x", 4, Duration::from_secs(10)).await;
+        app.wait_idle(Duration::from_secs(5)).await;
+        let pause = pause_after(&sink, "/x", 1);
+        // Reset is whole seconds 2 s after the sink's clock: 1 to 2 s from the response.
+        assert!(pause >= 900 * MS && pause < 3_000 * MS, "{pause:?}");
+        assert_eq!(
+            count_state(&app.store, "succeeded").await,
+            4,
+            "no job failed"
+        );
+        let jobs = app
+            .store
+            .list_jobs(&Default::default())
+            .await
+            .expect("list");
+        assert!(jobs.iter().all(|j| j.attempts == 1 && j.throttles == 0));
+        app.stop().await;
+    }
+}
+
+crate::both_stores! {
+    /// One destination held by Retry-After does not delay another.
+    async fn a_throttled_destination_does_not_delay_another(backend) {
+        let sink = Sink::start(|a, _| {
+            if a.path == "/held" {
+                Reply::status(429).header("retry-after", "3")
+            } else {
+                Reply::ok()
+            }
+        })
+        .await;
+        let app = TestApp::with_dispatcher_on(backend).await;
+        app.put_destination(
+            "held",
+            json!({"rate": "20/s", "capacity": 100, "max_throttles": 1000}),
+        )
+        .await;
+        app.put_destination("free", json!({"rate": "20/s", "capacity": 100}))
+            .await;
+        app.enqueue_many("held", &sink.url("/held"), 5).await;
+        tokio::time::sleep(100 * MS).await;
+        let t0 = Instant::now();
+        app.enqueue_many("free", &sink.url("/free"), 10).await;
+        let free = sink.wait_for("/free", 10, Duration::from_secs(5)).await;
+        let took = free[9].at - t0;
+        assert!(
+            took < 1_200 * MS,
+            "10 jobs at 20/s took {took:?} next to a throttled destination"
+        );
+        assert_eq!(
+            sink.arrivals_at("/held").len(),
+            1,
+            "held destination waited"
+        );
+        let d = app
+            .store
+            .get_destination("held")
+            .await
+            .expect("get")
+            .expect("exists");
+        assert!(d.throttled, "the API shows the hold: {d:?}");
+        assert!(d.delay_ms > 1_000, "and when it resumes: {}", d.delay_ms);
+        app.stop().await;
+    }
+}
+
+crate::both_stores! {
+    /// Adaptive rate: repeated 429s lower the effective rate, successes raise it back.
+    async fn adaptive_rate_backs_off_and_recovers(backend) {
+        let sink = Sink::start(|_, n| {
+            if n < 3 {
+                Reply::status(429).header("retry-after", "0")
+            } else {
+                Reply::ok()
+            }
+        })
+        .await;
+        let app = TestApp::with_dispatcher_on(backend).await;
+        app.put_destination(
+            "a",
+            json!({"rate": "100/s", "capacity": 500, "adaptive_rate": true, "throttle_floor_ms": 10}),
+        )
+        .await;
+        app.enqueue_many("a", &sink.url("/a"), 3).await;
+        sink.wait_for("/a", 4, Duration::from_secs(5)).await;
+        app.wait_idle(Duration::from_secs(5)).await;
+        let d = app
+            .store
+            .get_destination("a")
+            .await
+            .expect("get")
+            .expect("exists");
+        eprintln!("after 3 throttles: {} /s", d.effective_rate_per_second);
+        assert!(
+            d.effective_rate_per_second < 30.0,
+            "lowered: {}",
+            d.effective_rate_per_second
+        );
+        let lowered = d.effective_rate_per_second;
+        app.enqueue_many("a", &sink.url("/a"), 60).await;
+        app.wait_idle(Duration::from_secs(20)).await;
+        let d = app
+            .store
+            .get_destination("a")
+            .await
+            .expect("get")
+            .expect("exists");
+        eprintln!("after 60 successes: {} /s", d.effective_rate_per_second);
+        assert!(
+            d.effective_rate_per_second > lowered * 1.5,
+            "recovering: {}",
+            d.effective_rate_per_second
+        );
+        assert!(
+            d.effective_rate_per_second <= 100.0 + 1e-9,
+            "never above the configured rate"
+        );
+        app.stop().await;
+    }
 }

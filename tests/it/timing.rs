@@ -157,37 +157,38 @@ async fn slots(app: &TestApp, dest: &str) -> Vec<i64> {
           WHERE d.name = $1 AND j.state = 'succeeded' ORDER BY j.slot_us",
     )
     .bind(dest)
-    .fetch_all(app.store.pool())
+    .fetch_all(crate::harness::pg(&app.store))
     .await
     .expect("slots")
 }
 
-/// The seed's case: 100 jobs at 50/s to one destination.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifty_per_second_is_evenly_spaced() {
-    let sink = Sink::ok().await;
-    let mut app = TestApp::with_dispatcher().await;
-    app.put_destination(
-        "seed",
-        json!({"rate": "50/s", "capacity": 1000, "paused": true}),
-    )
-    .await;
-    app.enqueue_many("seed", &sink.url("/seed"), 100).await;
-    app.put_destination(
-        "seed",
-        json!({"rate": "50/s", "capacity": 1000, "paused": false}),
-    )
-    .await;
-    let arrivals = sink.wait_for("/seed", 100, Duration::from_secs(10)).await;
-    let releases = drain_releases(&mut app, 100, Duration::from_secs(5)).await;
+crate::both_stores! {
+    /// The seed's case: 100 jobs at 50/s to one destination.
+    async fn fifty_per_second_is_evenly_spaced(backend) {
+        let sink = Sink::ok().await;
+        let mut app = TestApp::with_dispatcher_on(backend).await;
+        app.put_destination(
+            "seed",
+            json!({"rate": "50/s", "capacity": 1000, "paused": true}),
+        )
+        .await;
+        app.enqueue_many("seed", &sink.url("/seed"), 100).await;
+        app.put_destination(
+            "seed",
+            json!({"rate": "50/s", "capacity": 1000, "paused": false}),
+        )
+        .await;
+        let arrivals = sink.wait_for("/seed", 100, Duration::from_secs(10)).await;
+        let releases = drain_releases(&mut app, 100, Duration::from_secs(5)).await;
 
-    let at: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
-    assert_arrived("sink", &at, 20 * MS, 6, (1_900 * MS, 2_300 * MS));
-    let rel: Vec<Instant> = releases.iter().map(|r| r.1).collect();
-    assert_released("release", &rel, 20 * MS, 6, (1_900 * MS, 2_300 * MS));
-    app.wait_idle(Duration::from_secs(5)).await;
-    app.check_counters().await;
-    app.stop().await;
+        let at: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
+        assert_arrived("sink", &at, 20 * MS, 6, (1_900 * MS, 2_300 * MS));
+        let rel: Vec<Instant> = releases.iter().map(|r| r.1).collect();
+        assert_released("release", &rel, 20 * MS, 6, (1_900 * MS, 2_300 * MS));
+        app.wait_idle(Duration::from_secs(5)).await;
+        app.check_counters().await;
+        app.stop().await;
+    }
 }
 
 /// Three `sluice worker` processes share one destination: together they keep one rate.
@@ -227,7 +228,7 @@ async fn three_worker_processes_keep_one_rate() {
     // Every worker took part (the rate is shared, not owned by one process).
     let claimers: i64 =
         sqlx::query_scalar("SELECT count(*) FROM sluice_jobs WHERE state = 'succeeded'")
-            .fetch_one(app.store.pool())
+            .fetch_one(crate::harness::pg(&app.store))
             .await
             .expect("count");
     assert_eq!(claimers, 100);
@@ -252,144 +253,147 @@ async fn three_worker_processes_keep_one_rate() {
     app.stop().await;
 }
 
-/// Two destinations at different rates: each keeps its own rate, neither slows the other.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn destinations_do_not_slow_each_other() {
-    let sink = Sink::ok().await;
-    let app = TestApp::with_dispatcher().await;
-    app.put_destination(
-        "fast",
-        json!({"rate": "50/s", "capacity": 1000, "paused": true}),
-    )
-    .await;
-    app.put_destination(
-        "slow",
-        json!({"rate": "20/s", "capacity": 1000, "paused": true}),
-    )
-    .await;
-    app.enqueue_many("fast", &sink.url("/fast"), 50).await;
-    app.enqueue_many("slow", &sink.url("/slow"), 20).await;
-    app.put_destination("fast", json!({"rate": "50/s", "capacity": 1000}))
+crate::both_stores! {
+    /// Two destinations at different rates: each keeps its own rate, neither slows the other.
+    async fn destinations_do_not_slow_each_other(backend) {
+        let sink = Sink::ok().await;
+        let app = TestApp::with_dispatcher_on(backend).await;
+        app.put_destination(
+            "fast",
+            json!({"rate": "50/s", "capacity": 1000, "paused": true}),
+        )
         .await;
-    app.put_destination("slow", json!({"rate": "20/s", "capacity": 1000}))
+        app.put_destination(
+            "slow",
+            json!({"rate": "20/s", "capacity": 1000, "paused": true}),
+        )
         .await;
-    app.put_destination(
-        "fast",
-        json!({"rate": "50/s", "capacity": 1000, "paused": false}),
-    )
-    .await;
-    app.put_destination(
-        "slow",
-        json!({"rate": "20/s", "capacity": 1000, "paused": false}),
-    )
-    .await;
-    let fast = sink.wait_for("/fast", 50, Duration::from_secs(10)).await;
-    let slow = sink.wait_for("/slow", 20, Duration::from_secs(10)).await;
-    let mut app = app;
-    let rel = drain_releases_with_ids(&mut app, 70, Duration::from_secs(1)).await;
-    let t = transit(&rel, &sink);
-    eprintln!(
-        "transit release→sink: min {:?} p50 {:?} p90 {:?} max {:?}",
-        t[0],
-        t[t.len() / 2],
-        t[t.len() * 9 / 10],
-        t[t.len() - 1]
-    );
-    let release_times = |d: &str| {
-        rel.iter()
-            .filter(|r| r.0 == d)
-            .map(|r| r.1)
-            .collect::<Vec<_>>()
-    };
-    // 50 at 50/s span 0.98 s; 20 at 20/s span 0.95 s: each as if it were alone.
-    assert_released(
-        "fast releases",
-        &release_times("fast"),
-        20 * MS,
-        6,
-        (900 * MS, 1_200 * MS),
-    );
-    assert_released(
-        "slow releases",
-        &release_times("slow"),
-        50 * MS,
-        3,
-        (900 * MS, 1_200 * MS),
-    );
-    let f: Vec<Instant> = fast.iter().map(|a| a.at).collect();
-    let s: Vec<Instant> = slow.iter().map(|a| a.at).collect();
-    assert_arrived("fast", &f, 20 * MS, 6, (900 * MS, 1_200 * MS));
-    assert_arrived("slow", &s, 50 * MS, 3, (900 * MS, 1_200 * MS));
-    app.stop().await;
-}
-
-/// `burst = 5`: exactly five back to back after idleness, then one per interval. (GCRA
-/// with a burst tolerance may close a gap by as much as an earlier release was late, so
-/// the bound allows the timer's jitter; with `burst = 1` gaps are exact.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn burst_of_five_then_spaced() {
-    let sink = Sink::ok().await;
-    let mut app = TestApp::with_dispatcher().await;
-    app.put_destination(
-        "bursty",
-        json!({"rate": "10/s", "burst": 5, "capacity": 100, "paused": true}),
-    )
-    .await;
-    app.enqueue_many("bursty", &sink.url("/b"), 9).await;
-    app.put_destination(
-        "bursty",
-        json!({"rate": "10/s", "burst": 5, "capacity": 100, "paused": false}),
-    )
-    .await;
-    let rel: Vec<Instant> = drain_releases(&mut app, 9, Duration::from_secs(5))
-        .await
-        .into_iter()
-        .map(|r| r.1)
-        .collect();
-    let g = gaps(&rel);
-    eprintln!("burst gaps: {g:?}");
-    assert!(rel[4] - rel[0] < 10 * MS, "first five back to back: {g:?}");
-    assert!(
-        rel[5] - rel[0] >= 99 * MS,
-        "the sixth waits an interval: {g:?}"
-    );
-    let span = rel[8] - rel[0];
-    assert!(
-        span >= 395 * MS && span < 480 * MS,
-        "then one per interval: {span:?}"
-    );
-    // Invariant 2: in any window W, releases <= ceil(W / T) + burst - 1 (+1 inclusive).
-    for w in [50u64, 100, 250, 500] {
-        let bound = w.div_ceil(100) as usize + 5 - 1 + 1;
-        let peak = max_in_window(&rel, Duration::from_millis(w));
-        assert!(peak <= bound, "{peak} releases in {w} ms > {bound}");
+        app.enqueue_many("fast", &sink.url("/fast"), 50).await;
+        app.enqueue_many("slow", &sink.url("/slow"), 20).await;
+        app.put_destination("fast", json!({"rate": "50/s", "capacity": 1000}))
+            .await;
+        app.put_destination("slow", json!({"rate": "20/s", "capacity": 1000}))
+            .await;
+        app.put_destination(
+            "fast",
+            json!({"rate": "50/s", "capacity": 1000, "paused": false}),
+        )
+        .await;
+        app.put_destination(
+            "slow",
+            json!({"rate": "20/s", "capacity": 1000, "paused": false}),
+        )
+        .await;
+        let fast = sink.wait_for("/fast", 50, Duration::from_secs(10)).await;
+        let slow = sink.wait_for("/slow", 20, Duration::from_secs(10)).await;
+        let mut app = app;
+        let rel = drain_releases_with_ids(&mut app, 70, Duration::from_secs(1)).await;
+        let t = transit(&rel, &sink);
+        eprintln!(
+            "transit release→sink: min {:?} p50 {:?} p90 {:?} max {:?}",
+            t[0],
+            t[t.len() / 2],
+            t[t.len() * 9 / 10],
+            t[t.len() - 1]
+        );
+        let release_times = |d: &str| {
+            rel.iter()
+                .filter(|r| r.0 == d)
+                .map(|r| r.1)
+                .collect::<Vec<_>>()
+        };
+        // 50 at 50/s span 0.98 s; 20 at 20/s span 0.95 s: each as if it were alone.
+        assert_released(
+            "fast releases",
+            &release_times("fast"),
+            20 * MS,
+            6,
+            (900 * MS, 1_200 * MS),
+        );
+        assert_released(
+            "slow releases",
+            &release_times("slow"),
+            50 * MS,
+            3,
+            (900 * MS, 1_200 * MS),
+        );
+        let f: Vec<Instant> = fast.iter().map(|a| a.at).collect();
+        let s: Vec<Instant> = slow.iter().map(|a| a.at).collect();
+        assert_arrived("fast", &f, 20 * MS, 6, (900 * MS, 1_200 * MS));
+        assert_arrived("slow", &s, 50 * MS, 3, (900 * MS, 1_200 * MS));
+        app.stop().await;
     }
-    sink.wait_for("/b", 9, Duration::from_secs(5)).await;
-    app.stop().await;
 }
 
-/// No idle credit: after 2 s idle, the next two releases are one interval apart, and the
-/// first goes at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_destination_earns_no_credit() {
-    let sink = Sink::ok().await;
-    let mut app = TestApp::with_dispatcher().await;
-    app.put_destination("idle", json!({"rate": "5/s", "capacity": 100}))
+crate::both_stores! {
+    /// `burst = 5`: exactly five back to back after idleness, then one per interval. (GCRA
+    /// with a burst tolerance may close a gap by as much as an earlier release was late, so
+    /// the bound allows the timer's jitter; with `burst = 1` gaps are exact.)
+    async fn burst_of_five_then_spaced(backend) {
+        let sink = Sink::ok().await;
+        let mut app = TestApp::with_dispatcher_on(backend).await;
+        app.put_destination(
+            "bursty",
+            json!({"rate": "10/s", "burst": 5, "capacity": 100, "paused": true}),
+        )
         .await;
-    app.enqueue_many("idle", &sink.url("/i"), 1).await;
-    drain_releases(&mut app, 1, Duration::from_secs(5)).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let sent = Instant::now();
-    app.enqueue_many("idle", &sink.url("/i"), 2).await;
-    let rel = drain_releases(&mut app, 2, Duration::from_secs(5)).await;
-    let first_latency = rel[0].1 - sent;
-    let gap = rel[1].1 - rel[0].1;
-    eprintln!("after idle: first after {first_latency:?}, gap {gap:?}");
-    assert!(
-        first_latency < 150 * MS,
-        "first job goes at once: {first_latency:?}"
-    );
-    assert!(gap >= 200 * MS, "second one interval later: {gap:?}");
-    assert!(gap < 260 * MS, "and not much more: {gap:?}");
-    app.stop().await;
+        app.enqueue_many("bursty", &sink.url("/b"), 9).await;
+        app.put_destination(
+            "bursty",
+            json!({"rate": "10/s", "burst": 5, "capacity": 100, "paused": false}),
+        )
+        .await;
+        let rel: Vec<Instant> = drain_releases(&mut app, 9, Duration::from_secs(5))
+            .await
+            .into_iter()
+            .map(|r| r.1)
+            .collect();
+        let g = gaps(&rel);
+        eprintln!("burst gaps: {g:?}");
+        assert!(rel[4] - rel[0] < 10 * MS, "first five back to back: {g:?}");
+        assert!(
+            rel[5] - rel[0] >= 99 * MS,
+            "the sixth waits an interval: {g:?}"
+        );
+        let span = rel[8] - rel[0];
+        assert!(
+            span >= 395 * MS && span < 480 * MS,
+            "then one per interval: {span:?}"
+        );
+        // Invariant 2: in any window W, releases <= ceil(W / T) + burst - 1 (+1 inclusive).
+        for w in [50u64, 100, 250, 500] {
+            let bound = w.div_ceil(100) as usize + 5 - 1 + 1;
+            let peak = max_in_window(&rel, Duration::from_millis(w));
+            assert!(peak <= bound, "{peak} releases in {w} ms > {bound}");
+        }
+        sink.wait_for("/b", 9, Duration::from_secs(5)).await;
+        app.stop().await;
+    }
+}
+
+crate::both_stores! {
+    /// No idle credit: after 2 s idle, the next two releases are one interval apart, and the
+    /// first goes at once.
+    async fn idle_destination_earns_no_credit(backend) {
+        let sink = Sink::ok().await;
+        let mut app = TestApp::with_dispatcher_on(backend).await;
+        app.put_destination("idle", json!({"rate": "5/s", "capacity": 100}))
+            .await;
+        app.enqueue_many("idle", &sink.url("/i"), 1).await;
+        drain_releases(&mut app, 1, Duration::from_secs(5)).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let sent = Instant::now();
+        app.enqueue_many("idle", &sink.url("/i"), 2).await;
+        let rel = drain_releases(&mut app, 2, Duration::from_secs(5)).await;
+        let first_latency = rel[0].1 - sent;
+        let gap = rel[1].1 - rel[0].1;
+        eprintln!("after idle: first after {first_latency:?}, gap {gap:?}");
+        assert!(
+            first_latency < 150 * MS,
+            "first job goes at once: {first_latency:?}"
+        );
+        assert!(gap >= 200 * MS, "second one interval later: {gap:?}");
+        assert!(gap < 260 * MS, "and not much more: {gap:?}");
+        app.stop().await;
+    }
 }

@@ -30,6 +30,7 @@ pub struct BenchDb {
     pub name: String,
     pub url: String,
     pub store: Store,
+    pool: sqlx::PgPool,
 }
 
 impl BenchDb {
@@ -52,7 +53,21 @@ impl BenchDb {
         )
         .await?;
         store.migrate().await?;
-        Ok(BenchDb { name, url, store })
+        let pool = store
+            .pg_pool()
+            .cloned()
+            .context("benchmarks run on PostgreSQL")?;
+        Ok(BenchDb {
+            name,
+            url,
+            store,
+            pool,
+        })
+    }
+
+    /// The database's pool, for setup and statistics queries.
+    pub fn pool(&self) -> &sqlx::PgPool {
+        &self.pool
     }
 
     pub async fn drop_db(self) {
@@ -98,7 +113,7 @@ impl BenchDb {
             let open: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM sluice_jobs WHERE state IN ('queued', 'running')",
             )
-            .fetch_one(self.store.pool())
+            .fetch_one(self.pool())
             .await?;
             if open == 0 {
                 return Ok(true);

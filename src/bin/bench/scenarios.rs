@@ -60,10 +60,10 @@ pub async fn worker() -> anyhow::Result<()> {
 async fn pause_all(db: &BenchDb, paused: bool) -> anyhow::Result<()> {
     sqlx::query("UPDATE sluice_destinations SET paused = $1")
         .bind(paused)
-        .execute(db.store.pool())
+        .execute(db.pool())
         .await?;
     sqlx::query("SELECT pg_notify('sluice_wake', '')")
-        .execute(db.store.pool())
+        .execute(db.pool())
         .await?;
     Ok(())
 }
@@ -84,12 +84,12 @@ async fn wait_count(sink: &Sink, n: usize, timeout: Duration) -> anyhow::Result<
 /// Transactions committed in the database so far (for statements-per-job figures).
 async fn xacts(db: &BenchDb) -> anyhow::Result<i64> {
     sqlx::query("SELECT pg_stat_clear_snapshot()")
-        .execute(db.store.pool())
+        .execute(db.pool())
         .await?;
     Ok(sqlx::query_scalar(
         "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
     )
-    .fetch_one(db.store.pool())
+    .fetch_one(db.pool())
     .await?)
 }
 
@@ -602,7 +602,7 @@ pub async fn many_destinations(quick: bool) -> anyhow::Result<String> {
                FROM generate_series(1, $1) g",
         )
         .bind(n as i64)
-        .execute(db.store.pool())
+        .execute(db.pool())
         .await?;
         sqlx::query(
             "INSERT INTO sluice_jobs (id, destination_id, state, method, url, max_attempts, run_at_us)
@@ -610,10 +610,10 @@ pub async fn many_destinations(quick: bool) -> anyhow::Result<String> {
                FROM sluice_destinations d, generate_series(1, 2)",
         )
         .bind(sink.url("/m"))
-        .execute(db.store.pool())
+        .execute(db.pool())
         .await?;
         sqlx::query("UPDATE sluice_destinations SET backlog = 2, due_at_us = sluice_now_us()")
-            .execute(db.store.pool())
+            .execute(db.pool())
             .await?;
         let mut p = InProcess::start(&db.store, &config(&db), 1);
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -685,6 +685,7 @@ pub async fn soak(quick: bool) -> anyhow::Result<String> {
     let maint_task = tokio::spawn(maint.run(maint_token.clone()));
     let mut out = format!("## soak: {total} jobs through one database, pruning on (retention 0 h)\n\n| jobs done | jobs/s in this tenth | sluice_jobs total size MB | live rows | dead rows | vacuums so far |\n|---|---|---|---|---|---|\n");
     let producer_store = db.store.clone();
+    let producer_pool = db.pool().clone();
     let url = sink.url("/s");
     let producer = tokio::spawn(async move {
         let jobs: Vec<_> = (0..1_000).map(|i| small_job(&url, i)).collect();
@@ -700,7 +701,7 @@ pub async fn soak(quick: bool) -> anyhow::Result<String> {
             let open: i64 = sqlx::query_scalar(
                 "SELECT coalesce(sum(backlog), 0)::bigint FROM sluice_destinations",
             )
-            .fetch_one(producer_store.pool())
+            .fetch_one(&producer_pool)
             .await
             .unwrap_or(0);
             if open > 50_000 {
@@ -715,16 +716,16 @@ pub async fn soak(quick: bool) -> anyhow::Result<String> {
         let rate = chunk as f64 / last.elapsed().as_secs_f64();
         last = Instant::now();
         let size: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('sluice_jobs')")
-            .fetch_one(db.store.pool())
+            .fetch_one(db.pool())
             .await?;
         sqlx::query("SELECT pg_stat_clear_snapshot()")
-            .execute(db.store.pool())
+            .execute(db.pool())
             .await?;
         let (live, dead, vacuums): (i64, i64, i64) = sqlx::query_as(
             "SELECT n_live_tup, n_dead_tup, vacuum_count + autovacuum_count FROM pg_stat_user_tables
               WHERE relname = 'sluice_jobs'",
         )
-        .fetch_one(db.store.pool())
+        .fetch_one(db.pool())
         .await?;
         let _ = writeln!(
             out,

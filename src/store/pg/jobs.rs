@@ -1,76 +1,11 @@
 //! Job lookups and operator actions on single jobs.
 
-use sqlx::types::Json;
-use sqlx::FromRow;
 use uuid::Uuid;
 
-use super::{Error, Result, Store};
+use super::Pg;
 use crate::job::{Job, JobState};
-
-/// Filters for [`Store::list_jobs`].
-#[derive(Debug, Clone, Default)]
-pub struct JobFilter {
-    /// Only jobs of this destination.
-    pub destination: Option<String>,
-    /// Only jobs in this state.
-    pub state: Option<JobState>,
-    /// At most this many (newest first); capped at 1000.
-    pub limit: Option<u32>,
-}
-
-#[derive(FromRow)]
-struct JobRow {
-    id: Uuid,
-    destination: String,
-    state: String,
-    method: String,
-    url: String,
-    headers: Json<Vec<(String, String)>>,
-    body_bytes: i64,
-    idempotency_key: Option<String>,
-    attempts: i32,
-    max_attempts: i32,
-    throttles: i32,
-    last_retry_after_ms: Option<i64>,
-    run_at_us: i64,
-    deadline_us: Option<i64>,
-    slot_us: Option<i64>,
-    last_status: Option<i32>,
-    last_error: Option<String>,
-    response_snippet: Option<String>,
-    created_at_us: i64,
-    updated_at_us: i64,
-    finished_at_us: Option<i64>,
-}
-
-impl From<JobRow> for Job {
-    fn from(r: JobRow) -> Self {
-        Job {
-            id: r.id,
-            destination: r.destination,
-            // The CHECK constraint admits only known states.
-            state: r.state.parse().unwrap_or(JobState::Queued),
-            method: r.method,
-            url: r.url,
-            headers: r.headers.0,
-            body_bytes: r.body_bytes,
-            idempotency_key: r.idempotency_key,
-            attempts: r.attempts,
-            max_attempts: r.max_attempts,
-            throttles: r.throttles,
-            last_retry_after_ms: r.last_retry_after_ms,
-            run_at: r.run_at_us,
-            deadline: r.deadline_us,
-            slot: r.slot_us,
-            last_status: r.last_status,
-            last_error: r.last_error,
-            response_snippet: r.response_snippet,
-            created_at: r.created_at_us,
-            updated_at: r.updated_at_us,
-            finished_at: r.finished_at_us,
-        }
-    }
-}
+use crate::store::types::{JobFilter, JobRow};
+use crate::store::{CounterAudit, Error, Result};
 
 macro_rules! job_select {
     () => {
@@ -83,7 +18,33 @@ macro_rules! job_select {
     };
 }
 
-impl Store {
+impl Pg {
+    /// Jobs per state.
+    pub(crate) async fn job_counts(&self) -> Result<Vec<(String, i64)>> {
+        Ok(
+            sqlx::query_as("SELECT state, count(*) FROM sluice_jobs GROUP BY state")
+                .fetch_all(&self.pool)
+                .await?,
+        )
+    }
+
+    /// Destinations whose counters disagree with their rows.
+    pub(crate) async fn audit(&self) -> Result<Vec<CounterAudit>> {
+        Ok(sqlx::query_as(
+            "SELECT * FROM (
+                SELECT d.name, d.backlog,
+                       (SELECT count(*) FROM sluice_jobs j WHERE j.destination_id = d.id
+                           AND j.state IN ('queued', 'running')) AS open,
+                       d.in_flight::bigint AS in_flight,
+                       (SELECT count(*) FROM sluice_jobs j WHERE j.destination_id = d.id
+                           AND j.state = 'running') AS running
+                  FROM sluice_destinations d) a
+              WHERE backlog <> open OR in_flight <> running",
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     /// One job by id.
     pub async fn get_job(&self, id: Uuid) -> Result<Option<Job>> {
         let row: Option<JobRow> = sqlx::query_as(concat!(job_select!(), "WHERE j.id = $1"))

@@ -5,15 +5,13 @@
 use uuid::Uuid;
 
 use super::destinations::notify_wake;
-use super::{EnqueueError, Error, Result, Store};
+use super::Pg;
 use crate::job::{Job, JobState};
 use crate::rate::Micros;
+use crate::store::types::EnqueueError;
+use crate::store::{Error, Result};
 
-/// Advisory-lock key under which one dispatcher at a time runs maintenance
-/// (`'sluice-m'` as bytes).
-pub const MAINTENANCE_LOCK_KEY: i64 = 0x736c_7569_6365_2d6d;
-
-impl Store {
+impl Pg {
     /// Extends the leases of every job `worker_id` holds to at least `now + margin_us`:
     /// the heartbeat that keeps a live dispatcher's slow requests from being rescued.
     pub async fn extend_leases(&self, worker_id: Uuid, margin_us: i64) -> Result<u64> {

@@ -14,9 +14,11 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot, Mutex};
 
-use super::enqueue::{admit, Admission};
-use super::{Admitted, EnqueueError, Error, Store};
+use super::enqueue::admit;
+use super::Pg;
 use crate::job::NewJob;
+use crate::store::types::{Admission, Admitted, EnqueueError};
+use crate::store::{Backend, Error, Store};
 
 type Reply = oneshot::Sender<Result<Admitted, EnqueueError>>;
 
@@ -26,10 +28,17 @@ struct Request {
     reply: Reply,
 }
 
-/// Grouped single enqueues. Cheap to clone.
+/// Single enqueues, grouped into shared commits on PostgreSQL. Cheap to clone. (The
+/// embedded store has one writer connection, so there it enqueues directly.)
 #[derive(Clone, Debug)]
 pub struct Enqueuer {
-    tx: mpsc::Sender<Request>,
+    inner: Inner,
+}
+
+#[derive(Clone, Debug)]
+enum Inner {
+    Grouped(mpsc::Sender<Request>),
+    Direct(Store),
 }
 
 impl std::fmt::Debug for Request {
@@ -47,23 +56,42 @@ impl Enqueuer {
     /// Starts `workers` grouping workers on the current runtime. They stop when every
     /// clone of the returned handle is dropped.
     pub fn start(store: Store, workers: usize) -> Enqueuer {
+        let Backend::Postgres(pg) = &store.backend else {
+            return Enqueuer {
+                inner: Inner::Direct(store),
+            };
+        };
         let (tx, rx) = mpsc::channel::<Request>(MAX_GROUP * 4);
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..workers.max(1) {
-            tokio::spawn(work(store.clone(), rx.clone()));
+            tokio::spawn(work(pg.clone(), rx.clone()));
         }
-        Enqueuer { tx }
+        Enqueuer {
+            inner: Inner::Grouped(tx),
+        }
     }
 
     /// Admits one job, sharing a commit with whatever else is being enqueued.
     pub async fn enqueue(&self, destination: &str, job: NewJob) -> Result<Admitted, EnqueueError> {
+        let tx = match &self.inner {
+            Inner::Grouped(tx) => tx,
+            Inner::Direct(store) => {
+                let admitted = store
+                    .enqueue(destination, std::slice::from_ref(&job))
+                    .await?;
+                return admitted
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| Error::Database(sqlx::Error::RowNotFound).into());
+            }
+        };
         let (reply, answer) = oneshot::channel();
         let request = Request {
             destination: destination.to_owned(),
             job,
             reply,
         };
-        if self.tx.send(request).await.is_err() {
+        if tx.send(request).await.is_err() {
             return Err(Error::Database(sqlx::Error::PoolClosed).into());
         }
         answer
@@ -72,7 +100,7 @@ impl Enqueuer {
     }
 }
 
-async fn work(store: Store, rx: Arc<Mutex<mpsc::Receiver<Request>>>) {
+async fn work(store: Pg, rx: Arc<Mutex<mpsc::Receiver<Request>>>) {
     loop {
         let mut group = Vec::with_capacity(MAX_GROUP);
         {
@@ -92,7 +120,7 @@ async fn work(store: Store, rx: Arc<Mutex<mpsc::Receiver<Request>>>) {
     }
 }
 
-async fn commit_group(store: &Store, group: Vec<Request>) {
+async fn commit_group(store: &Pg, group: Vec<Request>) {
     let mut by_destination: BTreeMap<String, (Vec<NewJob>, Vec<Reply>)> = BTreeMap::new();
     for r in group {
         let e = by_destination.entry(r.destination).or_default();

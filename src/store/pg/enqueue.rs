@@ -5,55 +5,19 @@
 
 use std::collections::HashMap;
 
-use serde::Serialize;
 use sqlx::types::Json;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::destinations::notify_wake;
-use super::{Error, Result, Store};
-use crate::destination::{parse_job_url, url_allowed, FieldError};
+use super::Pg;
+use crate::destination::FieldError;
 use crate::job::{JobState, NewJob};
-use crate::rate::{Gcra, Micros};
-
-/// One job's admission result.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Admitted {
-    /// The job's id (the existing one for a repeated idempotency key).
-    pub id: Uuid,
-    /// The job's current state.
-    pub state: JobState,
-    /// `false` when an earlier job with the same idempotency key was returned instead.
-    pub created: bool,
-}
-
-/// Why an enqueue admitted nothing.
-#[derive(Debug, thiserror::Error)]
-pub enum EnqueueError {
-    /// The destination has `capacity` jobs admitted and unfinished already.
-    #[error("destination {name:?} is full: {backlog} of {capacity} jobs waiting, {requested} more requested; retry in about {retry_after_secs} s")]
-    Full {
-        /// Destination.
-        name: String,
-        /// Its capacity.
-        capacity: i64,
-        /// Jobs admitted and unfinished.
-        backlog: i64,
-        /// Jobs this request would have added.
-        requested: usize,
-        /// Whole seconds until enough room should have drained at the destination's rate.
-        retry_after_secs: u64,
-    },
-    /// Anything else: unknown destination, bad job, database failure.
-    #[error(transparent)]
-    Store(#[from] Error),
-}
-
-impl From<sqlx::Error> for EnqueueError {
-    fn from(e: sqlx::Error) -> Self {
-        EnqueueError::Store(Error::Database(e))
-    }
-}
+use crate::store::plan::{
+    check_url, decide_admission, field_name, run_at, AdmissionDecision, AdmissionDest,
+};
+use crate::store::types::{Admission, Admitted, EnqueueError};
+use crate::store::{Error, Result};
 
 #[derive(sqlx::FromRow)]
 struct LockedDestination {
@@ -69,7 +33,7 @@ struct LockedDestination {
     now_us: i64,
 }
 
-impl Store {
+impl Pg {
     /// Admits `jobs` to destination `name`, all or nothing, in its own transaction.
     pub async fn enqueue(
         &self,
@@ -102,16 +66,6 @@ pub async fn enqueue_in(
         .await?
         .into_iter()
         .collect()
-}
-
-/// How a group of jobs is admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admission {
-    /// The batch endpoint and [`enqueue_in`]: every job or none.
-    AllOrNothing,
-    /// Independent requests sharing one commit: each job is admitted on its own, in
-    /// order, while there is room.
-    EachJob,
 }
 
 /// Admits `jobs` to destination `name` under its row lock. Returns one result per job;
@@ -169,69 +123,25 @@ pub(crate) async fn admit(
         }
     }
 
-    // Decide each job: existing (idempotent repeat), new, or over capacity.
-    let room = dest.capacity.saturating_sub(dest.backlog).max(0);
-    let mut keys_seen = std::collections::HashSet::new();
-    let new_wanted = jobs
-        .iter()
-        .zip(&url_errors)
-        .filter(|(j, e)| {
-            e.is_none()
-                && match &j.idempotency_key {
-                    Some(k) => !known.contains_key(k) && keys_seen.insert(k.as_str()),
-                    None => true,
-                }
-        })
-        .count() as i64;
-    let batch_fits = new_wanted <= room;
-    let mut results: Vec<Result<Admitted, EnqueueError>> = Vec::with_capacity(jobs.len());
-    let mut fresh: Vec<(Uuid, &NewJob)> = Vec::with_capacity(jobs.len());
-    let mut rejected = 0i64;
-    for (job, url_error) in jobs.iter().zip(url_errors) {
-        if let Some(e) = url_error {
-            results.push(Err(Error::InvalidJob(e).into()));
-            continue;
-        }
-        if let Some(&(id, state)) = job.idempotency_key.as_ref().and_then(|k| known.get(k)) {
-            results.push(Ok(Admitted {
-                id,
-                state,
-                created: false,
-            }));
-            continue;
-        }
-        let fits = match mode {
-            Admission::AllOrNothing => batch_fits,
-            Admission::EachJob => (fresh.len() as i64) < room,
-        };
-        if !fits {
-            rejected += 1;
-            results.push(Err(EnqueueError::Full {
-                name: name.to_owned(),
-                capacity: dest.capacity,
-                backlog: dest.backlog,
-                requested: 1,
-                retry_after_secs: 0, // filled in below
-            }));
-            continue;
-        }
-        let id = Uuid::now_v7();
-        if let Some(key) = &job.idempotency_key {
-            known.insert(key.clone(), (id, JobState::Queued));
-        }
-        fresh.push((id, job));
-        results.push(Ok(Admitted {
-            id,
-            state: JobState::Queued,
-            created: true,
-        }));
-    }
-    if mode == Admission::AllOrNothing && !batch_fits {
-        // Nothing goes in; the repeats found above are still reported as a rejection.
-        fresh.clear();
-        rejected = new_wanted;
-    }
-
+    let AdmissionDecision {
+        results,
+        fresh,
+        rejected,
+    } = decide_admission(
+        &AdmissionDest {
+            name,
+            capacity: dest.capacity,
+            backlog: dest.backlog,
+            next_slot_us: dest.next_slot_us,
+            interval_us: dest.interval_us,
+            burst: dest.burst,
+            now_us: dest.now_us,
+        },
+        jobs,
+        url_errors,
+        known,
+        mode,
+    );
     if rejected > 0 {
         sqlx::query(
             "UPDATE sluice_destinations SET rejected_total = rejected_total + $2 WHERE id = $1",
@@ -240,39 +150,6 @@ pub(crate) async fn admit(
         .bind(rejected)
         .execute(&mut *conn)
         .await?;
-        let gcra = Gcra {
-            interval_us: dest.interval_us,
-            burst: dest.burst.max(1) as u32,
-        };
-        let backlog_after = dest.backlog + fresh.len() as i64;
-        let need = backlog_after
-            .saturating_add(if mode == Admission::AllOrNothing {
-                new_wanted
-            } else {
-                1
-            })
-            .saturating_sub(dest.capacity)
-            .max(1);
-        let wait_us = gcra.drain_time_us(dest.next_slot_us, dest.now_us, need as u64);
-        let secs = (wait_us.max(0) as u64).div_ceil(1_000_000).max(1);
-        let full = |requested| EnqueueError::Full {
-            name: name.to_owned(),
-            capacity: dest.capacity,
-            backlog: backlog_after,
-            requested,
-            retry_after_secs: secs,
-        };
-        if mode == Admission::AllOrNothing {
-            return Ok(jobs
-                .iter()
-                .map(|_| Err(full(new_wanted as usize)))
-                .collect());
-        }
-        for r in &mut results {
-            if matches!(r, Err(EnqueueError::Full { .. })) {
-                *r = Err(full(1));
-            }
-        }
     }
     if fresh.is_empty() {
         return Ok(results);
@@ -306,36 +183,6 @@ pub(crate) async fn admit(
         notify_wake(conn).await?;
     }
     Ok(results)
-}
-
-fn run_at(job: &NewJob, now: Micros) -> Micros {
-    job.not_before_us.map_or(now, |nb| nb.max(now))
-}
-
-/// The job's URL against the destination's allow-list (`None` when it passes).
-fn check_url(job: &NewJob, allowed: &[String], field: String) -> Option<FieldError> {
-    if allowed.is_empty() {
-        return None;
-    }
-    match parse_job_url(&job.url) {
-        Err(m) => Some(FieldError { field, message: m }),
-        Ok(url) if !url_allowed(&url, allowed) => Some(FieldError {
-            field,
-            message: format!(
-                "{:?} is not under the destination's allowed_base_urls {allowed:?}",
-                job.url
-            ),
-        }),
-        Ok(_) => None,
-    }
-}
-
-fn field_name(batch: usize, i: usize, mode: Admission) -> String {
-    if batch == 1 || mode == Admission::EachJob {
-        "url".to_owned()
-    } else {
-        format!("jobs[{i}].url")
-    }
 }
 
 async fn insert_jobs(

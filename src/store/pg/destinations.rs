@@ -1,106 +1,15 @@
 //! Destination rows: upsert from config or the API, pause/resume, live figures.
 
-use serde::Serialize;
-use sqlx::FromRow;
-
-use super::{Error, Result, Store, WAKE_CHANNEL};
+use super::Pg;
 use crate::destination::{DestinationName, DestinationSpec};
-use crate::rate::Micros;
-use crate::timestamp::format_us;
-
-/// A destination's configuration plus its live figures, as the API shows it.
-#[derive(Debug, Clone, Serialize, FromRow)]
-pub struct DestinationStatus {
-    /// Name.
-    pub name: String,
-    /// Sustained rate as written.
-    pub rate: String,
-    /// Microseconds between releases.
-    pub interval_us: i64,
-    /// Releases back to back after idleness.
-    pub burst: i32,
-    /// Bound on admitted-but-unfinished jobs.
-    pub capacity: i64,
-    /// Cap on concurrent requests.
-    pub max_in_flight: Option<i32>,
-    /// URL prefixes jobs may target (empty: any http(s) URL).
-    pub allowed_base_urls: Vec<String>,
-    /// Per-request timeout.
-    pub timeout_ms: i32,
-    /// Default attempts per job.
-    pub max_attempts: i32,
-    /// Retry backoff base.
-    pub backoff_base_ms: i64,
-    /// Retry backoff cap.
-    pub backoff_cap_ms: i64,
-    /// Longest downstream wait hint honoured.
-    pub retry_after_max_ms: i64,
-    /// Least wait after a 429.
-    pub throttle_floor_ms: i64,
-    /// No-hint 429 backoff base.
-    pub throttle_backoff_base_ms: i64,
-    /// No-hint 429 backoff cap.
-    pub throttle_backoff_cap_ms: i64,
-    /// Throttles per job before it is dead.
-    pub max_throttles: i32,
-    /// How `X-RateLimit-Reset` is read (`delta`, `epoch`, or null: ignored).
-    pub ratelimit_reset: Option<String>,
-    /// Whether the rate adapts to repeated 429s.
-    pub adaptive_rate: bool,
-    /// The rate claims currently use, per second (the configured one unless adaptive
-    /// rate has lowered it).
-    pub effective_rate_per_second: f64,
-    /// Interval behind `effective_rate_per_second`.
-    pub effective_interval_us: i64,
-    /// Whether the dispatcher holds this destination's jobs.
-    pub paused: bool,
-    /// Jobs waiting for a slot.
-    pub queued: i64,
-    /// Jobs claimed by a dispatcher (scheduled or in flight).
-    pub in_flight: i32,
-    /// Admitted and unfinished (`queued + in_flight`), compared against `capacity`.
-    pub backlog: i64,
-    /// Enqueues rejected because the destination was full.
-    pub rejected_total: i64,
-    /// Responses that throttled (429, 503 with Retry-After) or announced exhaustion.
-    pub throttled_total: i64,
-    /// Consecutive throttles (drives the no-hint backoff; reset by a success).
-    pub throttle_streak: i32,
-    /// The latest wait hint honoured, in milliseconds.
-    pub last_retry_after_ms: Option<i64>,
-    /// Until when the latest throttle holds the destination (null if never throttled).
-    #[serde(serialize_with = "ser_opt_ts")]
-    pub throttled_until: Option<Micros>,
-    /// Whether a throttle holds the destination right now.
-    pub throttled: bool,
-    /// Earliest next release (GCRA theoretical arrival time).
-    #[serde(serialize_with = "ser_ts")]
-    pub next_slot: Micros,
-    /// `next_slot - now` in milliseconds, 0 when a release could happen now.
-    pub delay_ms: i64,
-    /// Creation time.
-    #[serde(serialize_with = "ser_ts")]
-    pub created_at: Micros,
-    /// Last configuration change.
-    #[serde(serialize_with = "ser_ts")]
-    pub updated_at: Micros,
-}
-
-fn ser_ts<S: serde::Serializer>(us: &Micros, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&format_us(*us))
-}
-
-fn ser_opt_ts<S: serde::Serializer>(us: &Option<Micros>, s: S) -> Result<S::Ok, S::Error> {
-    match us {
-        Some(us) => s.serialize_str(&format_us(*us)),
-        None => s.serialize_none(),
-    }
-}
+use crate::store::types::DestinationStatus;
+use crate::store::{Error, Result, WAKE_CHANNEL};
 
 /// Columns of [`DestinationStatus`], as a literal so statements stay `&'static str`.
 macro_rules! status_columns {
     () => {
-        "name, rate, interval_us, burst, capacity, max_in_flight, allowed_base_urls, timeout_ms,
+        "name, rate, interval_us, burst, capacity, max_in_flight,
+    to_jsonb(allowed_base_urls) AS allowed_base_urls, timeout_ms,
     max_attempts, backoff_base_ms, backoff_cap_ms, retry_after_max_ms, throttle_floor_ms,
     throttle_backoff_base_ms, throttle_backoff_cap_ms, max_throttles, ratelimit_reset,
     adaptive_rate, 1000000.0::float8 / effective_interval_us AS effective_rate_per_second,
@@ -114,7 +23,7 @@ macro_rules! status_columns {
     };
 }
 
-impl Store {
+impl Pg {
     /// Creates or updates a destination. Runtime state (next_slot, counters) is kept;
     /// `spec.paused = None` keeps the paused flag. Wakes dispatchers, since a new rate,
     /// burst or in-flight cap can make the destination due sooner.

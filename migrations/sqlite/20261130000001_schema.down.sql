@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS sluice_jobs;
+DROP TABLE IF EXISTS sluice_destinations;

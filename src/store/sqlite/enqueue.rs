@@ -1,0 +1,135 @@
+//! Admission on the embedded store. The single writer connection serialises admissions,
+//! which is what the destination row lock does on PostgreSQL; the decision itself is the
+//! shared one in `plan.rs`.
+
+use std::collections::HashMap;
+
+use sqlx::types::Json;
+use uuid::Uuid;
+
+use super::{now, refresh_due, Sqlite};
+use crate::job::{JobState, NewJob};
+use crate::store::plan::{
+    check_url, decide_admission, field_name, run_at, AdmissionDecision, AdmissionDest,
+};
+use crate::store::types::{Admission, Admitted, EnqueueError};
+use crate::store::{Error, Notice};
+
+type DestinationRow = (i64, i64, i64, i64, i64, i32, i32, String, Option<i64>);
+
+impl Sqlite {
+    pub(crate) async fn enqueue(
+        &self,
+        name: &str,
+        jobs: &[NewJob],
+    ) -> Result<Vec<Admitted>, EnqueueError> {
+        let at = now();
+        let mut tx = self.pool.begin().await?;
+        let row: Option<DestinationRow> = sqlx::query_as(
+            "SELECT id, capacity, backlog, next_slot_us, effective_interval_us, burst,
+                    max_attempts, allowed_base_urls, due_at_us
+               FROM sluice_destinations WHERE name = ?1",
+        )
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((id, capacity, backlog, next_slot, interval, burst, max_attempts, urls, old_due)) =
+            row
+        else {
+            return Err(Error::UnknownDestination(name.to_owned()).into());
+        };
+        let allowed: Vec<String> = serde_json::from_str(&urls).unwrap_or_default();
+        let url_errors: Vec<_> = jobs
+            .iter()
+            .enumerate()
+            .map(|(i, j)| {
+                check_url(
+                    j,
+                    &allowed,
+                    field_name(jobs.len(), i, Admission::AllOrNothing),
+                )
+            })
+            .collect();
+        if let Some(e) = url_errors.iter().flatten().next() {
+            return Err(Error::InvalidJob(e.clone()).into());
+        }
+        let mut known: HashMap<String, (Uuid, JobState)> = HashMap::new();
+        for key in jobs.iter().filter_map(|j| j.idempotency_key.as_deref()) {
+            let existing: Option<(Uuid, String)> = sqlx::query_as(
+                "SELECT id, state FROM sluice_jobs WHERE destination_id = ?1 AND idempotency_key = ?2",
+            )
+            .bind(id)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some((job, state)) = existing {
+                known.insert(
+                    key.to_owned(),
+                    (job, state.parse().unwrap_or(JobState::Queued)),
+                );
+            }
+        }
+        let AdmissionDecision {
+            results,
+            fresh,
+            rejected,
+        } = decide_admission(
+            &AdmissionDest {
+                name,
+                capacity,
+                backlog,
+                next_slot_us: next_slot,
+                interval_us: interval,
+                burst,
+                now_us: at,
+            },
+            jobs,
+            url_errors,
+            known,
+            Admission::AllOrNothing,
+        );
+        if rejected > 0 {
+            sqlx::query(
+                "UPDATE sluice_destinations SET rejected_total = rejected_total + ?2 WHERE id = ?1",
+            )
+            .bind(id)
+            .bind(rejected)
+            .execute(&mut *tx)
+            .await?;
+        }
+        if !fresh.is_empty() {
+            for (job_id, job) in &fresh {
+                sqlx::query(
+                    "INSERT INTO sluice_jobs
+                         (id, destination_id, state, method, url, headers, body, idempotency_key,
+                          max_attempts, run_at_us, deadline_us, created_at_us, updated_at_us)
+                     VALUES (?1, ?2, 'queued', ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11)",
+                )
+                .bind(job_id)
+                .bind(id)
+                .bind(&job.method)
+                .bind(&job.url)
+                .bind(Json(&job.headers))
+                .bind(job.body.as_deref())
+                .bind(job.idempotency_key.as_deref())
+                .bind(job.max_attempts.unwrap_or(max_attempts))
+                .bind(run_at(job, at))
+                .bind(job.deadline_us)
+                .bind(at)
+                .execute(&mut *tx)
+                .await?;
+            }
+            sqlx::query("UPDATE sluice_destinations SET backlog = backlog + ?2 WHERE id = ?1")
+                .bind(id)
+                .bind(fresh.len() as i64)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let new_due = refresh_due(&mut tx, id).await?;
+        tx.commit().await?;
+        if new_due.is_some() && (old_due.is_none() || new_due < old_due) {
+            self.notify(Notice::Wake);
+        }
+        results.into_iter().collect()
+    }
+}
