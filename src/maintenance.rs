@@ -102,7 +102,7 @@ impl Maintenance {
                 Ok(()) => failures = 0,
                 Err(e) => {
                     failures += 1;
-                    if failures == 1 || failures % 30 == 0 {
+                    if failures == 1 || failures.is_multiple_of(30) {
                         tracing::warn!(error = %e, "maintenance: database unavailable; retrying");
                     }
                 }

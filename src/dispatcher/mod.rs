@@ -253,7 +253,7 @@ impl Dispatcher {
                 Err(e) => {
                     failures += 1;
                     let backoff = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
-                    if failures == 1 || failures % 20 == 0 {
+                    if failures == 1 || failures.is_multiple_of(20) {
                         tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "dispatcher cannot reach the database");
                     }
                     Instant::now() + backoff.min(poll.max(Duration::from_secs(1)))
