@@ -56,6 +56,18 @@ pub enum Command {
     /// List, show, cancel or retry jobs.
     #[command(subcommand)]
     Jobs(JobsCommand),
+    /// Watch a leaky and a bursty destination side by side (nothing to set up).
+    Demo {
+        /// Jobs per destination.
+        #[arg(long, default_value_t = 100)]
+        jobs: usize,
+        /// Rate of both destinations.
+        #[arg(long, default_value = "50/s")]
+        rate: Rate,
+        /// Burst of the bursty destination.
+        #[arg(long, default_value_t = 20)]
+        burst: u32,
+    },
 }
 
 /// `sluice enqueue`.
@@ -267,6 +279,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Destination(cmd) => destination(&config, cmd).await,
         Command::Jobs(cmd) => jobs(&config, cmd).await,
+        Command::Demo { jobs, rate, burst } => {
+            if jobs == 0 || jobs > 100_000 || !(2..=10_000).contains(&burst) {
+                bail!("--jobs must be 1 to 100000 and --burst 2 to 10000");
+            }
+            crate::demo::run(crate::demo::DemoOptions { jobs, rate, burst }).await?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -343,6 +362,7 @@ async fn destination(config: &Config, cmd: DestinationCommand) -> anyhow::Result
     let store = ready_store(config).await?;
     match cmd {
         DestinationCommand::Set(a) => {
+            let a = *a;
             let name = DestinationName::parse(&a.name)?;
             let cfg = DestinationConfig {
                 rate: a.rate,

@@ -19,6 +19,7 @@
 //! | [`app`] | process wiring for `serve` / `worker` |
 //! | [`config`] | defaults → `config.toml` → environment, validated at boot |
 //! | [`cli`] | the `sluice` command |
+//! | [`demo`] | `sluice demo`: leaky vs bursty, side by side |
 //!
 //! Data flow: `POST /v1/destinations/{name}/jobs` → [`store::Store::enqueue`] (capacity
 //! checked under the destination row lock) → `NOTIFY` → [`dispatcher::Dispatcher`] claims
@@ -36,6 +37,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod delivery;
+pub mod demo;
 pub mod destination;
 pub mod dispatcher;
 pub mod job;

@@ -599,13 +599,29 @@ pub struct Proc {
 impl Proc {
     /// Starts `sluice <args>` against `db_url`; for `serve`, waits for the listen address.
     pub async fn spawn(args: &[&str], db_url: &str, env: &[(&str, &str)]) -> Proc {
+        Self::spawn_in(args, Some(db_url), &std::env::temp_dir(), env).await
+    }
+
+    /// Starts `sluice <args>` in `dir`, against `db_url` or, with `None`, whatever the
+    /// defaults give (the embedded store in `dir`).
+    pub async fn spawn_in(
+        args: &[&str],
+        db_url: Option<&str>,
+        dir: &std::path::Path,
+        env: &[(&str, &str)],
+    ) -> Proc {
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+        match db_url {
+            Some(url) => cmd.env("SLUICE_DATABASE_URL", url),
+            None => cmd
+                .env_remove("SLUICE_DATABASE_URL")
+                .env_remove("DATABASE_URL"),
+        };
         cmd.args(args)
-            .env("SLUICE_DATABASE_URL", db_url)
             .env("SLUICE_LISTEN", "127.0.0.1:0")
             .env("SLUICE_DISPATCHER__POLL_INTERVAL_MS", "500")
             .env("RUST_LOG", "info")
-            .current_dir(std::env::temp_dir())
+            .current_dir(dir)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -6,6 +6,7 @@ mod api;
 mod cli;
 mod crash;
 mod dispatch;
+mod embedded;
 mod harness;
 mod recovery;
 mod throttle;
