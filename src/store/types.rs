@@ -104,7 +104,7 @@ fn ser_opt_ts<S: serde::Serializer>(us: &Option<Micros>, s: S) -> Result<S::Ok, 
     }
 }
 
-/// Filters for [`Store::list_jobs`].
+/// Filters for [`Store::list_jobs`](super::Store::list_jobs).
 #[derive(Debug, Clone, Default)]
 pub struct JobFilter {
     /// Only jobs of this destination.
@@ -211,7 +211,7 @@ impl From<sqlx::Error> for EnqueueError {
 /// How a group of jobs is admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Admission {
-    /// The batch endpoint and [`enqueue_in`]: every job or none.
+    /// The batch endpoint and [`enqueue_in`](super::enqueue_in): every job or none.
     AllOrNothing,
     /// Independent requests sharing one commit: each job is admitted on its own, in
     /// order, while there is room.
