@@ -369,7 +369,30 @@ pub(crate) fn destination_deltas(
     deltas
 }
 
+/// The rejection for `requested` more jobs on a full destination, with a Retry-After of
+/// the time the backlog needs to drain enough room at the destination's rate.
+pub(crate) fn full_error(dest: &AdmissionDest<'_>, requested: usize) -> EnqueueError {
+    let gcra = Gcra {
+        interval_us: dest.interval_us,
+        burst: dest.burst.max(1) as u32,
+    };
+    let need = dest
+        .backlog
+        .saturating_add(requested as i64)
+        .saturating_sub(dest.capacity)
+        .max(1);
+    let wait_us = gcra.drain_time_us(dest.next_slot_us, dest.now_us, need as u64);
+    EnqueueError::Full {
+        name: dest.name.to_owned(),
+        capacity: dest.capacity,
+        backlog: dest.backlog,
+        requested,
+        retry_after_secs: (wait_us.max(0) as u64).div_ceil(1_000_000).max(1),
+    }
+}
+
 /// The destination as admission sees it (under its lock).
+#[derive(Clone, Copy)]
 pub(crate) struct AdmissionDest<'a> {
     pub(crate) name: &'a str,
     pub(crate) capacity: i64,
@@ -462,33 +485,16 @@ pub(crate) fn decide_admission<'j>(
     }
 
     if rejected > 0 {
-        let gcra = Gcra {
-            interval_us: dest.interval_us,
-            burst: dest.burst.max(1) as u32,
-        };
-        let backlog_after = dest.backlog + fresh.len() as i64;
-        let need = backlog_after
-            .saturating_add(if mode == Admission::AllOrNothing {
-                new_wanted
-            } else {
-                1
-            })
-            .saturating_sub(dest.capacity)
-            .max(1);
-        let wait_us = gcra.drain_time_us(dest.next_slot_us, dest.now_us, need as u64);
-        let secs = (wait_us.max(0) as u64).div_ceil(1_000_000).max(1);
-        let full = |requested| EnqueueError::Full {
-            name: name.to_owned(),
-            capacity: dest.capacity,
-            backlog: backlog_after,
-            requested,
-            retry_after_secs: secs,
+        // Room is estimated after this request's admissions.
+        let after = AdmissionDest {
+            backlog: dest.backlog + fresh.len() as i64,
+            ..*dest
         };
         if mode == Admission::AllOrNothing {
             return AdmissionDecision {
                 results: jobs
                     .iter()
-                    .map(|_| Err(full(new_wanted as usize)))
+                    .map(|_| Err(full_error(&after, new_wanted as usize)))
                     .collect(),
                 fresh: Vec::new(),
                 rejected,
@@ -496,7 +502,7 @@ pub(crate) fn decide_admission<'j>(
         }
         for r in &mut results {
             if matches!(r, Err(EnqueueError::Full { .. })) {
-                *r = Err(full(1));
+                *r = Err(full_error(&after, 1));
             }
         }
     }

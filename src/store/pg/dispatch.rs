@@ -321,15 +321,7 @@ async fn complete_in(conn: &mut PgConnection, worker_id: Uuid, done: &[Completio
     .execute(&mut *conn)
     .await?;
     // due_at from the values just written.
-    sqlx::query(
-        "UPDATE sluice_destinations
-            SET due_at_us = sluice_due_at(id, next_slot_us, effective_interval_us, burst,
-                                          in_flight, max_in_flight)
-          WHERE id = ANY($1)",
-    )
-    .bind(&u_ids)
-    .execute(&mut *conn)
-    .await?;
+    super::refresh_due(conn, &u_ids).await?;
     // Claims given back are due now: wake the other dispatchers for them (a shutting
     // down dispatcher's claims are delivered by the others at once, not after a poll).
     if done.iter().any(|c| c.outcome == Outcome::Returned) {

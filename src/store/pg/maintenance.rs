@@ -8,6 +8,7 @@ use super::destinations::notify_wake;
 use super::Pg;
 use crate::job::{Job, JobState};
 use crate::rate::Micros;
+use crate::store::plan::{full_error, AdmissionDest};
 use crate::store::types::EnqueueError;
 use crate::store::{Error, Result};
 
@@ -178,24 +179,23 @@ impl Pg {
             let now: i64 = sqlx::query_scalar("SELECT sluice_now_us()")
                 .fetch_one(&mut *tx)
                 .await?;
-            let gcra = crate::rate::Gcra {
-                interval_us: interval,
-                burst: burst.max(1) as u32,
-            };
-            let need = (backlog + 1 - capacity).max(1) as u64;
-            let wait = gcra.drain_time_us(next_slot, now, need);
             let name: String =
                 sqlx::query_scalar("SELECT name FROM sluice_destinations WHERE id = $1")
                     .bind(dest)
                     .fetch_one(&mut *tx)
                     .await?;
-            return Err(EnqueueError::Full {
-                name,
-                capacity,
-                backlog,
-                requested: 1,
-                retry_after_secs: (wait.max(0) as u64).div_ceil(1_000_000).max(1),
-            });
+            return Err(full_error(
+                &AdmissionDest {
+                    name: &name,
+                    capacity,
+                    backlog,
+                    next_slot_us: next_slot,
+                    interval_us: interval,
+                    burst,
+                    now_us: now,
+                },
+                1,
+            ));
         }
         sqlx::query(
             "UPDATE sluice_jobs
@@ -248,14 +248,6 @@ async fn adjust_destinations(
     .bind(&dead)
     .execute(&mut *conn)
     .await?;
-    sqlx::query(
-        "UPDATE sluice_destinations
-            SET due_at_us = sluice_due_at(id, next_slot_us, effective_interval_us, burst,
-                                          in_flight, max_in_flight)
-          WHERE id = ANY($1)",
-    )
-    .bind(&ids)
-    .execute(&mut *conn)
-    .await?;
+    super::refresh_due(conn, &ids).await?;
     Ok(())
 }

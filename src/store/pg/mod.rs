@@ -22,6 +22,20 @@ pub(super) mod maintenance;
 /// (`'sluice-m'` as bytes).
 pub const MAINTENANCE_LOCK_KEY: i64 = 0x736c_7569_6365_2d6d;
 
+/// Recomputes `due_at_us` of `destinations` from the values their rows hold now.
+pub(super) async fn refresh_due(conn: &mut PgConnection, destinations: &[i64]) -> Result<()> {
+    sqlx::query(
+        "UPDATE sluice_destinations
+            SET due_at_us = sluice_due_at(id, next_slot_us, effective_interval_us, burst,
+                                          in_flight, max_in_flight)
+          WHERE id = ANY($1)",
+    )
+    .bind(destinations)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
 /// A pool on a PostgreSQL database.
 #[derive(Clone, Debug)]
 pub(crate) struct Pg {

@@ -5,7 +5,8 @@ use uuid::Uuid;
 
 use super::{now, refresh_due, Sqlite};
 use crate::job::{Job, JobState};
-use crate::rate::{Gcra, Micros};
+use crate::rate::Micros;
+use crate::store::plan::{full_error, AdmissionDest};
 use crate::store::types::EnqueueError;
 use crate::store::{Error, Notice, Result};
 
@@ -155,18 +156,18 @@ impl Sqlite {
             .into());
         }
         if backlog >= capacity {
-            let gcra = Gcra {
-                interval_us: interval,
-                burst: burst.max(1) as u32,
-            };
-            let wait = gcra.drain_time_us(next_slot, at, (backlog + 1 - capacity).max(1) as u64);
-            return Err(EnqueueError::Full {
-                name,
-                capacity,
-                backlog,
-                requested: 1,
-                retry_after_secs: (wait.max(0) as u64).div_ceil(1_000_000).max(1),
-            });
+            return Err(full_error(
+                &AdmissionDest {
+                    name: &name,
+                    capacity,
+                    backlog,
+                    next_slot_us: next_slot,
+                    interval_us: interval,
+                    burst,
+                    now_us: at,
+                },
+                1,
+            ));
         }
         sqlx::query(
             "UPDATE sluice_jobs
