@@ -389,6 +389,23 @@ pub fn pg(store: &Store) -> &sqlx::PgPool {
     store.pg_pool().expect("this test runs on PostgreSQL")
 }
 
+/// Runs one statement written in the SQL both stores understand, to arrange a state the
+/// API cannot reach (an aged job, a last attempt). On the embedded store it goes through a
+/// second connection to the same file, as another process would.
+pub async fn execute(db: &TestDb, store: &Store, sql: &str) {
+    let sql_safe = || sqlx::AssertSqlSafe(sql.to_owned());
+    match store.pg_pool() {
+        Some(pool) => sqlx::query(sql_safe()).execute(pool).await.map(drop),
+        None => {
+            let mut conn = sqlx::SqliteConnection::connect(&db.url)
+                .await
+                .expect("open the SQLite file");
+            sqlx::query(sql_safe()).execute(&mut conn).await.map(drop)
+        }
+    }
+    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
 /// One request the sink received.
 #[derive(Debug, Clone)]
 pub struct Arrival {

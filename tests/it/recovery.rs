@@ -10,7 +10,9 @@ use sluice::maintenance::Maintenance;
 use sluice::store::{ClaimParams, Store, StoreOptions};
 use tokio_util::sync::CancellationToken;
 
-use crate::harness::{check_counters, count_state, FaultSink, Reply, Sink, TestApp, TestDb};
+use crate::harness::{
+    check_counters, count_state, execute, Backend, FaultSink, Reply, Sink, TestApp, TestDb,
+};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -169,7 +171,11 @@ crate::both_stores! {
 }
 
 async fn fresh_store() -> (TestDb, Store) {
-    let db = TestDb::create().await;
+    fresh_store_on(Backend::Postgres).await
+}
+
+async fn fresh_store_on(backend: Backend) -> (TestDb, Store) {
+    let db = TestDb::create_on(backend).await;
     let store = Store::connect(&db.url, &StoreOptions::default())
         .await
         .expect("store");
@@ -193,12 +199,12 @@ fn job(url: &str) -> sluice::job::NewJob {
     .expect("valid")
 }
 
+crate::both_stores! {
 /// Claims whose lease ran out go back to the queue (or dead on their last attempt), with
 /// the counters kept exact; queued jobs past their deadline expire; finished jobs are
 /// pruned after the retention period.
-#[tokio::test]
-async fn maintenance_rescues_expires_and_prunes() {
-    let (_db, store) = fresh_store().await;
+async fn maintenance_rescues_expires_and_prunes(backend) {
+    let (db, store) = fresh_store_on(backend).await;
     let name = sluice::destination::DestinationName::parse("m").expect("name");
     store
         .upsert_destination(
@@ -225,11 +231,13 @@ async fn maintenance_rescues_expires_and_prunes() {
         .expect("claim");
     assert_eq!(claim.jobs.len(), 3);
     // One of them was on its last attempt.
-    sqlx::query("UPDATE sluice_jobs SET attempts = 2 WHERE id = $1")
-        .bind(claim.jobs[0].id)
-        .execute(crate::harness::pg(&store))
-        .await
-        .expect("update");
+    execute(
+        &db,
+        &store,
+        "UPDATE sluice_jobs SET attempts = 2
+          WHERE id = (SELECT id FROM sluice_jobs ORDER BY id LIMIT 1)",
+    )
+    .await;
     let config = sluice::config::MaintenanceConfig {
         retention_hours: 1,
         ..Default::default()
@@ -255,12 +263,12 @@ async fn maintenance_rescues_expires_and_prunes() {
     check_counters(&store).await;
 
     // Retention: finished jobs older than the cutoff go, recent and open ones stay.
-    sqlx::query(
+    execute(
+        &db,
+        &store,
         "UPDATE sluice_jobs SET finished_at_us = finished_at_us - 7200000000 WHERE state = 'dead'",
     )
-    .execute(crate::harness::pg(&store))
-    .await
-    .expect("age");
+    .await;
     let r = m.run_once(false).await.expect("pass");
     assert_eq!(r.pruned, 1);
     assert_eq!(count_state(&store, "dead").await, 0);
@@ -275,6 +283,7 @@ async fn maintenance_rescues_expires_and_prunes() {
         "open jobs are never pruned"
     );
     check_counters(&store).await;
+}
 }
 
 /// Exactly one process leads maintenance; when it stops, another takes over.
