@@ -54,19 +54,25 @@ pub fn lane_stats(times: &[Instant]) -> LaneStats {
         .map(|w| w[1] - w[0])
         .min()
         .unwrap_or_default();
+    LaneStats {
+        total,
+        max_in_100ms: max_in_window(times, Duration::from_millis(100)),
+        min_gap,
+    }
+}
+
+/// Most of the sorted `times` within any inclusive window of length `window`: the
+/// "most requests in any 100 ms" that partners count. Tests and the benchmarks use it too.
+pub fn max_in_window(times: &[Instant], window: Duration) -> usize {
     let mut best = 0;
     let mut j = 0;
     for i in 0..times.len() {
-        while times[i] - times[j] > Duration::from_millis(100) {
+        while times[i].duration_since(times[j]) > window {
             j += 1;
         }
         best = best.max(i - j + 1);
     }
-    LaneStats {
-        total,
-        max_in_100ms: best,
-        min_gap,
-    }
+    best
 }
 
 /// A text timeline: one row per lane, one column per 100 ms (wider when the run is
@@ -342,5 +348,20 @@ mod tests {
         assert!(text.contains("|█"), "{text}");
         assert!(text.contains("full height = 5"), "{text}");
         assert!(timeline(&[]).is_empty());
+    }
+
+    #[test]
+    fn window_slides_and_is_inclusive() {
+        let t0 = Instant::now();
+        let at: Vec<Instant> = [0, 10, 150, 160, 170, 260]
+            .iter()
+            .map(|&ms| t0 + Duration::from_millis(ms))
+            .collect();
+        let ms = Duration::from_millis;
+        assert_eq!(max_in_window(&at, ms(100)), 3);
+        assert_eq!(max_in_window(&at, ms(110)), 4, "150..260 holds four");
+        assert_eq!(max_in_window(&at, ms(5)), 1);
+        assert_eq!(max_in_window(&at, ms(300)), 6);
+        assert_eq!(max_in_window(&[], ms(100)), 0);
     }
 }

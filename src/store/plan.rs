@@ -17,6 +17,9 @@ use crate::job::{JobState, NewJob};
 use crate::rate::{Gcra, Micros};
 use crate::throttle::{ResetUnit, Source, ThrottlePolicy};
 
+/// `last_error` of a job whose deadline passed while it waited: it was never sent.
+pub(crate) const EXPIRED_ERROR: &str = "deadline passed before the job could be released";
+
 /// Per-destination bookkeeping while planning a claim.
 pub(crate) struct Plan {
     pub(crate) dest: DueDestination,
@@ -108,7 +111,7 @@ pub(crate) fn job_update(outcome: &Outcome) -> JobUpdate<'_> {
         Outcome::Expired => JobUpdate {
             state: JobState::Expired,
             attempt_delta: -1,
-            error: Some("deadline passed before the job could be released"),
+            error: Some(EXPIRED_ERROR),
             ..base
         },
         Outcome::Returned => JobUpdate {

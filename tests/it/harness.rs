@@ -593,18 +593,7 @@ pub fn gaps(times: &[Instant]) -> Vec<Duration> {
         .collect()
 }
 
-/// Most instants within any inclusive window of length `w`.
-pub fn max_in_window(times: &[Instant], w: Duration) -> usize {
-    let mut best = 0;
-    let mut j = 0;
-    for i in 0..times.len() {
-        while times[i].duration_since(times[j]) > w {
-            j += 1;
-        }
-        best = best.max(i - j + 1);
-    }
-    best
-}
+pub use sluice::demo::max_in_window;
 
 /// A `sluice` process (the real binary).
 pub struct Proc {

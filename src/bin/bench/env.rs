@@ -420,18 +420,10 @@ pub fn gaps(times: &[Instant]) -> Gaps {
             .copied()
             .unwrap_or(0.0)
     };
-    let mut best = 0;
-    let mut j = 0;
-    for i in 0..times.len() {
-        while times[i] - times[j] > Duration::from_millis(100) {
-            j += 1;
-        }
-        best = best.max(i - j + 1);
-    }
     Gaps {
         min: g.first().copied().unwrap_or(0.0),
         p1: pick(0.01),
-        max_in_100ms: best,
+        max_in_100ms: sluice::demo::max_in_window(times, Duration::from_millis(100)),
         span_s: match (times.first(), times.last()) {
             (Some(a), Some(b)) => (*b - *a).as_secs_f64(),
             _ => 0.0,

@@ -16,7 +16,7 @@ use uuid::Uuid;
 use super::Pg;
 use crate::rate::Micros;
 use crate::store::plan::{
-    apply_delta, destination_deltas, job_update, ClaimPlanner, DestinationState,
+    apply_delta, destination_deltas, job_update, ClaimPlanner, DestinationState, EXPIRED_ERROR,
 };
 use crate::store::types::{
     Candidate, Claim, ClaimParams, ClaimedRow, Completion, DueDestination, Outcome,
@@ -133,11 +133,12 @@ async fn claim_in(conn: &mut PgConnection, p: &ClaimParams) -> Result<Claim> {
         sqlx::query(
             "UPDATE sluice_jobs
                 SET state = 'expired', finished_at_us = $2, updated_at_us = $2,
-                    last_error = 'deadline passed before the job could be released'
+                    last_error = $3
               WHERE id = ANY($1)",
         )
         .bind(&plan.expired)
         .bind(db_now)
+        .bind(EXPIRED_ERROR)
         .execute(&mut *conn)
         .await?;
     }

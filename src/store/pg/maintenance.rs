@@ -8,7 +8,7 @@ use super::destinations::notify_wake;
 use super::Pg;
 use crate::job::{Job, JobState};
 use crate::rate::Micros;
-use crate::store::plan::{full_error, AdmissionDest};
+use crate::store::plan::{full_error, AdmissionDest, EXPIRED_ERROR};
 use crate::store::types::EnqueueError;
 use crate::store::{Error, Result};
 
@@ -86,11 +86,12 @@ impl Pg {
              UPDATE sluice_jobs j
                 SET state = 'expired', finished_at_us = sluice_now_us(),
                     updated_at_us = sluice_now_us(),
-                    last_error = 'deadline passed before the job could be released'
+                    last_error = $2
                FROM overdue WHERE j.id = overdue.id
            RETURNING j.destination_id",
         )
         .bind(limit)
+        .bind(EXPIRED_ERROR)
         .fetch_all(&mut *tx)
         .await?;
         let mut per_dest: std::collections::BTreeMap<i64, (i32, i32)> = Default::default();

@@ -3,7 +3,7 @@
 
 use uuid::Uuid;
 
-use super::{now, refresh_due, Sqlite};
+use super::{expire_job, now, refresh_due, Sqlite};
 use crate::rate::Micros;
 use crate::store::plan::{
     apply_delta, destination_deltas, job_update, ClaimPlanner, DestinationState,
@@ -75,16 +75,7 @@ impl Sqlite {
             rows.push(row);
         }
         for id in &plan.expired {
-            sqlx::query(
-                "UPDATE sluice_jobs
-                    SET state = 'expired', finished_at_us = ?2, updated_at_us = ?2,
-                        last_error = 'deadline passed before the job could be released'
-                  WHERE id = ?1",
-            )
-            .bind(id)
-            .bind(db_now)
-            .execute(&mut *tx)
-            .await?;
+            expire_job(&mut tx, *id, db_now).await?;
         }
         for dp in plan.plans.values() {
             let claimed = dp.claimed.len() as i64;

@@ -3,7 +3,7 @@
 
 use uuid::Uuid;
 
-use super::{now, refresh_due, Sqlite};
+use super::{expire_job, now, refresh_due, Sqlite};
 use crate::job::{Job, JobState};
 use crate::rate::Micros;
 use crate::store::plan::{full_error, AdmissionDest};
@@ -87,16 +87,7 @@ impl Sqlite {
         .fetch_all(&mut *tx)
         .await?;
         for (id, dest) in &overdue {
-            sqlx::query(
-                "UPDATE sluice_jobs
-                    SET state = 'expired', finished_at_us = ?2, updated_at_us = ?2,
-                        last_error = 'deadline passed before the job could be released'
-                  WHERE id = ?1",
-            )
-            .bind(id)
-            .bind(at)
-            .execute(&mut *tx)
-            .await?;
+            expire_job(&mut tx, *id, at).await?;
             sqlx::query("UPDATE sluice_destinations SET backlog = backlog - 1 WHERE id = ?1")
                 .bind(dest)
                 .execute(&mut *tx)

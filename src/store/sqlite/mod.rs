@@ -19,6 +19,7 @@ use sqlx::{SqliteConnection, SqlitePool};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+use super::plan::EXPIRED_ERROR;
 use super::{Error, Notice, Result, StoreOptions, MIGRATIONS_TABLE};
 use crate::rate::Micros;
 
@@ -149,6 +150,26 @@ impl Sqlite {
             }
         }
     }
+}
+
+/// Marks a queued job expired (its deadline passed before it could be released). The
+/// caller adjusts the destination's backlog.
+pub(crate) async fn expire_job(
+    conn: &mut SqliteConnection,
+    id: uuid::Uuid,
+    at: Micros,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE sluice_jobs
+            SET state = 'expired', finished_at_us = ?2, updated_at_us = ?2, last_error = ?3
+          WHERE id = ?1",
+    )
+    .bind(id)
+    .bind(at)
+    .bind(EXPIRED_ERROR)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// Recomputes `due_at_us` for a destination from its row and its first queued job (the
