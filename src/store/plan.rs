@@ -394,6 +394,47 @@ pub(crate) fn full_error(dest: &AdmissionDest<'_>, requested: usize) -> EnqueueE
     }
 }
 
+/// A dead job and its destination, read under their locks before a retry:
+/// `(job state, destination id, name, capacity, backlog, next_slot_us,
+/// effective_interval_us, burst)`.
+pub(crate) type RetryRow = (String, i64, String, i64, i64, i64, i64, i32);
+
+/// Whether a job may be put back in line: it must be dead, and its destination must have
+/// room like any enqueue. Returns the destination id.
+pub(crate) fn check_dead_job_retry(
+    id: Uuid,
+    row: Option<RetryRow>,
+    now_us: i64,
+) -> Result<i64, EnqueueError> {
+    let Some((state, dest, name, capacity, backlog, next_slot_us, interval_us, burst)) = row else {
+        return Err(Error::UnknownJob(id).into());
+    };
+    let state: JobState = state.parse().unwrap_or(JobState::Queued);
+    if state != JobState::Dead {
+        return Err(Error::WrongState {
+            id,
+            state,
+            expected: "dead",
+        }
+        .into());
+    }
+    if backlog >= capacity {
+        return Err(full_error(
+            &AdmissionDest {
+                name: &name,
+                capacity,
+                backlog,
+                next_slot_us,
+                interval_us,
+                burst,
+                now_us,
+            },
+            1,
+        ));
+    }
+    Ok(dest)
+}
+
 /// The destination as admission sees it (under its lock).
 #[derive(Clone, Copy)]
 pub(crate) struct AdmissionDest<'a> {

@@ -6,9 +6,9 @@ use uuid::Uuid;
 
 use super::destinations::notify_wake;
 use super::Pg;
-use crate::job::{Job, JobState};
+use crate::job::Job;
 use crate::rate::Micros;
-use crate::store::plan::{full_error, AdmissionDest, EXPIRED_ERROR};
+use crate::store::plan::{check_dead_job_retry, RetryRow, EXPIRED_ERROR};
 use crate::store::types::EnqueueError;
 use crate::store::{Error, Result};
 
@@ -154,8 +154,8 @@ impl Pg {
     /// destination's capacity like any enqueue.
     pub async fn retry_dead_job(&self, id: Uuid) -> Result<Job, EnqueueError> {
         let mut tx = self.pool.begin().await?;
-        let row: Option<(String, i64, i64, i64, i64, i64, i32)> = sqlx::query_as(
-            "SELECT j.state, d.id, d.capacity, d.backlog, d.next_slot_us,
+        let row: Option<RetryRow> = sqlx::query_as(
+            "SELECT j.state, d.id, d.name, d.capacity, d.backlog, d.next_slot_us,
                     d.effective_interval_us, d.burst
                FROM sluice_jobs j JOIN sluice_destinations d ON d.id = j.destination_id
               WHERE j.id = $1
@@ -164,40 +164,10 @@ impl Pg {
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((state, dest, capacity, backlog, next_slot, interval, burst)) = row else {
-            return Err(Error::UnknownJob(id).into());
-        };
-        let state: JobState = state.parse().unwrap_or(JobState::Queued);
-        if state != JobState::Dead {
-            return Err(Error::WrongState {
-                id,
-                state,
-                expected: "dead",
-            }
-            .into());
-        }
-        if backlog >= capacity {
-            let now: i64 = sqlx::query_scalar("SELECT sluice_now_us()")
-                .fetch_one(&mut *tx)
-                .await?;
-            let name: String =
-                sqlx::query_scalar("SELECT name FROM sluice_destinations WHERE id = $1")
-                    .bind(dest)
-                    .fetch_one(&mut *tx)
-                    .await?;
-            return Err(full_error(
-                &AdmissionDest {
-                    name: &name,
-                    capacity,
-                    backlog,
-                    next_slot_us: next_slot,
-                    interval_us: interval,
-                    burst,
-                    now_us: now,
-                },
-                1,
-            ));
-        }
+        let now: i64 = sqlx::query_scalar("SELECT sluice_now_us()")
+            .fetch_one(&mut *tx)
+            .await?;
+        let dest = check_dead_job_retry(id, row, now)?;
         sqlx::query(
             "UPDATE sluice_jobs
                 SET state = 'queued', attempts = 0, throttles = 0, finished_at_us = NULL,

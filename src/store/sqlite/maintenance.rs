@@ -4,15 +4,13 @@
 use uuid::Uuid;
 
 use super::{expire_job, now, refresh_due, Sqlite};
-use crate::job::{Job, JobState};
+use crate::job::Job;
 use crate::rate::Micros;
-use crate::store::plan::{full_error, AdmissionDest};
+use crate::store::plan::{check_dead_job_retry, RetryRow};
 use crate::store::types::EnqueueError;
 use crate::store::{Error, Notice, Result};
 
 /// A dead job's state and its destination's admission figures.
-type RetryRow = (String, i64, String, i64, i64, i64, i64, i32);
-
 impl Sqlite {
     pub(crate) async fn extend_leases(&self, worker_id: Uuid, margin_us: i64) -> Result<u64> {
         Ok(sqlx::query(
@@ -134,32 +132,7 @@ impl Sqlite {
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((state, dest, name, capacity, backlog, next_slot, interval, burst)) = row else {
-            return Err(Error::UnknownJob(id).into());
-        };
-        let state: JobState = state.parse().unwrap_or(JobState::Queued);
-        if state != JobState::Dead {
-            return Err(Error::WrongState {
-                id,
-                state,
-                expected: "dead",
-            }
-            .into());
-        }
-        if backlog >= capacity {
-            return Err(full_error(
-                &AdmissionDest {
-                    name: &name,
-                    capacity,
-                    backlog,
-                    next_slot_us: next_slot,
-                    interval_us: interval,
-                    burst,
-                    now_us: at,
-                },
-                1,
-            ));
-        }
+        let dest = check_dead_job_retry(id, row, at)?;
         sqlx::query(
             "UPDATE sluice_jobs
                 SET state = 'queued', attempts = 0, throttles = 0, finished_at_us = NULL,
