@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use sluice::config::Config;
 use sluice::destination::{DestinationConfig, DestinationName};
 use sluice::dispatcher::{Dispatcher, ReleaseEvent};
-use sluice::job::{JobRequest, NewJob};
+use sluice::job::{JobRequest, JobState, NewJob};
 use sluice::metrics::Metrics;
 use sluice::store::{Store, StoreOptions};
 use sqlx::Connection as _;
@@ -25,17 +25,50 @@ pub fn admin_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
 }
 
+/// Which store a scenario runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A fresh database on the local PostgreSQL (the production store).
+    Postgres,
+    /// A fresh embedded SQLite file in a temporary directory.
+    Sqlite,
+}
+
 /// A database for one scenario, dropped afterwards.
 pub struct BenchDb {
     pub name: String,
     pub url: String,
     pub store: Store,
-    pool: sqlx::PgPool,
+    pub kind: Kind,
+    /// PostgreSQL only: the pool, for setup and statistics queries.
+    pool: Option<sqlx::PgPool>,
+    /// SQLite only: the directory holding the file.
+    dir: Option<std::path::PathBuf>,
 }
 
 impl BenchDb {
+    /// A fresh PostgreSQL database.
     pub async fn create(max_connections: u32) -> anyhow::Result<BenchDb> {
+        BenchDb::create_on(Kind::Postgres, max_connections).await
+    }
+
+    pub async fn create_on(kind: Kind, max_connections: u32) -> anyhow::Result<BenchDb> {
         let name = format!("sluice_bench_{}", uuid::Uuid::now_v7().simple());
+        if kind == Kind::Sqlite {
+            let dir = std::env::temp_dir().join(&name);
+            std::fs::create_dir_all(&dir)?;
+            let url = format!("sqlite:{}", dir.join("sluice.db").display());
+            let store = Store::connect(&url, &StoreOptions::default()).await?;
+            store.migrate().await?;
+            return Ok(BenchDb {
+                name,
+                url,
+                store,
+                kind,
+                pool: None,
+                dir: Some(dir),
+            });
+        }
         let mut admin = sqlx::PgConnection::connect(&admin_url())
             .await
             .context("connect to PostgreSQL (set SLUICE_BENCH_ADMIN_URL)")?;
@@ -53,25 +86,30 @@ impl BenchDb {
         )
         .await?;
         store.migrate().await?;
-        let pool = store
-            .pg_pool()
-            .cloned()
-            .context("benchmarks run on PostgreSQL")?;
+        let pool = store.pg_pool().cloned();
         Ok(BenchDb {
             name,
             url,
             store,
+            kind,
             pool,
+            dir: None,
         })
     }
 
-    /// The database's pool, for setup and statistics queries.
-    pub fn pool(&self) -> &sqlx::PgPool {
-        &self.pool
+    /// The PostgreSQL pool, for setup and statistics queries.
+    pub fn pool(&self) -> anyhow::Result<&sqlx::PgPool> {
+        self.pool
+            .as_ref()
+            .context("this scenario runs on PostgreSQL only")
     }
 
     pub async fn drop_db(self) {
         self.store.close().await;
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+            return;
+        }
         if let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url()).await {
             let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
                 "DROP DATABASE IF EXISTS {} WITH (FORCE)",
@@ -110,11 +148,14 @@ impl BenchDb {
     pub async fn wait_idle(&self, timeout: Duration) -> anyhow::Result<bool> {
         let deadline = Instant::now() + timeout;
         loop {
-            let open: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM sluice_jobs WHERE state IN ('queued', 'running')",
-            )
-            .fetch_one(self.pool())
-            .await?;
+            let open: i64 = self
+                .store
+                .job_counts()
+                .await?
+                .iter()
+                .filter(|(state, _)| matches!(state, JobState::Queued | JobState::Running))
+                .map(|(_, n)| n)
+                .sum();
             if open == 0 {
                 return Ok(true);
             }

@@ -26,12 +26,12 @@ struct Args {
     #[arg(long)]
     quick: bool,
     /// Scenarios to run (default: all): shaping, high-rate, throughput, enqueue,
-    /// latency, many-destinations, soak, idle, scale-out. `worker` runs a dispatcher
+    /// latency, many-destinations, soak, idle, scale-out, embedded. `worker` runs a dispatcher
     /// process for the multi-worker scenarios.
     scenarios: Vec<String>,
 }
 
-const ALL: [&str; 9] = [
+const ALL: [&str; 10] = [
     "shaping",
     "high-rate",
     "throughput",
@@ -40,6 +40,7 @@ const ALL: [&str; 9] = [
     "many-destinations",
     "idle",
     "scale-out",
+    "embedded",
     "soak",
 ];
 
@@ -85,6 +86,7 @@ fn main() -> ExitCode {
                 "soak" => scenarios::soak(args.quick).await,
                 "idle" => scenarios::idle(args.quick).await,
                 "scale-out" => scenarios::scale_out(args.quick).await,
+                "embedded" => scenarios::embedded(args.quick).await,
                 other => Err(anyhow::anyhow!(
                     "unknown scenario {other:?} (one of {ALL:?})"
                 )),

@@ -10,7 +10,7 @@ use sluice::app::{self, Roles};
 use sluice::config::Config;
 use tokio_util::sync::CancellationToken;
 
-use crate::env::{cpu, gaps, percentile, small_job, BenchDb, InProcess, Sink, Workers};
+use crate::env::{cpu, gaps, percentile, small_job, BenchDb, InProcess, Kind, Sink, Workers};
 
 const SINK_THREADS: &str = "bench-sink";
 
@@ -58,12 +58,20 @@ pub async fn worker() -> anyhow::Result<()> {
 }
 
 async fn pause_all(db: &BenchDb, paused: bool) -> anyhow::Result<()> {
+    if db.kind == Kind::Sqlite {
+        // One store call per destination: the embedded store's dispatcher hears of them
+        // through its in-process notices (there is no second connection to UPDATE from).
+        for d in db.store.list_destinations().await? {
+            db.store.set_paused(&d.name, paused).await?;
+        }
+        return Ok(());
+    }
     sqlx::query("UPDATE sluice_destinations SET paused = $1")
         .bind(paused)
-        .execute(db.pool())
+        .execute(db.pool()?)
         .await?;
     sqlx::query("SELECT pg_notify('sluice_wake', '')")
-        .execute(db.pool())
+        .execute(db.pool()?)
         .await?;
     Ok(())
 }
@@ -83,13 +91,16 @@ async fn wait_count(sink: &Sink, n: usize, timeout: Duration) -> anyhow::Result<
 
 /// Transactions committed in the database so far (for statements-per-job figures).
 async fn xacts(db: &BenchDb) -> anyhow::Result<i64> {
+    if db.kind == Kind::Sqlite {
+        return Ok(0);
+    }
     sqlx::query("SELECT pg_stat_clear_snapshot()")
-        .execute(db.pool())
+        .execute(db.pool()?)
         .await?;
     Ok(sqlx::query_scalar(
         "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
     )
-    .fetch_one(db.pool())
+    .fetch_one(db.pool()?)
     .await?)
 }
 
@@ -233,8 +244,8 @@ struct Throughput {
 
 /// `jobs` over 100 unlimited destinations (plus one paced destination at 50/s to show
 /// the rate holds), delivered by `workers` processes (0 = one in-process dispatcher).
-async fn run_throughput(jobs: usize, workers: usize) -> anyhow::Result<Throughput> {
-    let db = BenchDb::create(16).await?;
+async fn run_throughput(kind: Kind, jobs: usize, workers: usize) -> anyhow::Result<Throughput> {
+    let db = BenchDb::create_on(kind, 16).await?;
     let sink = Sink::start()?;
     let per = jobs / 100;
     for d in 0..100 {
@@ -373,7 +384,7 @@ async fn database_only(jobs: usize) -> anyhow::Result<(f64, f64)> {
 /// 20,000 jobs over 100 destinations with no effective limit.
 pub async fn throughput(quick: bool) -> anyhow::Result<String> {
     let jobs = if quick { 5_000 } else { 20_000 };
-    let t = run_throughput(jobs, 0).await?;
+    let t = run_throughput(Kind::Postgres, jobs, 0).await?;
     let (db_rate, db_pg) = database_only(jobs).await?;
     Ok(format!(
         "## throughput: {jobs} jobs over 100 destinations, no effective limit\n\n| run | jobs/s | Sluice CPU s / 1k jobs | PostgreSQL CPU s / 1k jobs | transactions / job |\n|---|---|---|---|---|\n| end to end (HTTP to the sink) | {:.0} | {:.3} | {:.3} | {:.2} |\n| database only: claim + complete, no HTTP (ceiling) | {db_rate:.0} | | {db_pg:.3} | |\n\nTarget: ≥ 12,000 jobs/s (2× the best peer measured here, apalis 6.1k).\n",
@@ -388,7 +399,7 @@ pub async fn scale_out(quick: bool) -> anyhow::Result<String> {
         "## scale-out: {jobs} jobs over 100 unlimited destinations + 50 jobs at 50/s\n\n| worker processes | jobs/s | Sluice CPU s / 1k jobs | PostgreSQL CPU s / 1k jobs | paced: min gap ms | paced: max in 100 ms |\n|---|---|---|---|---|---|\n"
     );
     for w in [1usize, 2, 4] {
-        let t = run_throughput(jobs, w).await?;
+        let t = run_throughput(Kind::Postgres, jobs, w).await?;
         let _ = writeln!(
             out,
             "| {w} | {:.0} | {:.3} | {:.3} | {:.2} | {} |",
@@ -438,11 +449,32 @@ async fn start_api(
     anyhow::bail!("API did not start")
 }
 
+struct EnqueueFigures {
+    single_rate: f64,
+    single_p50_ms: f64,
+    single_p99_ms: f64,
+    batch_rate: f64,
+    library_rate: f64,
+}
+
 /// HTTP single enqueue at 16 concurrent clients, the batch endpoint, the library call.
 pub async fn enqueue(quick: bool) -> anyhow::Result<String> {
     let singles = if quick { 4_000 } else { 20_000 };
     let batched = if quick { 20_000 } else { 200_000 };
-    let db = BenchDb::create(32).await?;
+    let EnqueueFigures {
+        single_rate,
+        single_p50_ms: p50,
+        single_p99_ms: p99,
+        batch_rate,
+        library_rate: lib_rate,
+    } = run_enqueue(Kind::Postgres, singles, batched).await?;
+    Ok(format!(
+        "## enqueue\n\n| path | jobs/s | p50 ms | p99 ms |\n|---|---|---|---|\n| HTTP single, 16 clients ({singles} jobs) | {single_rate:.0} | {p50:.2} | {p99:.2} |\n| HTTP batch of 1,000, 2 clients ({batched} jobs) | {batch_rate:.0} | | |\n| library `Store::enqueue`, batches of 1,000, 2 tasks | {lib_rate:.0} | | |\n\nTarget: ≥ 5,000 req/s single with p99 < 20 ms; ≥ 100,000 jobs/s batch.\n"
+    ))
+}
+
+async fn run_enqueue(kind: Kind, singles: usize, batched: usize) -> anyhow::Result<EnqueueFigures> {
+    let db = BenchDb::create_on(kind, 32).await?;
     db.destination(
         "e",
         serde_json::json!({"rate": "1/s", "capacity": 10_000_000, "paused": true}),
@@ -531,13 +563,99 @@ pub async fn enqueue(quick: bool) -> anyhow::Result<String> {
     for t in tasks {
         t.await??;
     }
-    let lib_rate = batched as f64 / t0.elapsed().as_secs_f64();
+    let library_rate = batched as f64 / t0.elapsed().as_secs_f64();
     token.cancel();
     let _ = task.await;
     db.drop_db().await;
-    Ok(format!(
-        "## enqueue\n\n| path | jobs/s | p50 ms | p99 ms |\n|---|---|---|---|\n| HTTP single, 16 clients ({singles} jobs) | {single_rate:.0} | {p50:.2} | {p99:.2} |\n| HTTP batch of 1,000, 2 clients ({batched} jobs) | {batch_rate:.0} | | |\n| library `Store::enqueue`, batches of 1,000, 2 tasks | {lib_rate:.0} | | |\n\nTarget: ≥ 5,000 req/s single with p99 < 20 ms; ≥ 100,000 jobs/s batch.\n"
-    ))
+    Ok(EnqueueFigures {
+        single_rate,
+        single_p50_ms: p50,
+        single_p99_ms: p99,
+        batch_rate,
+        library_rate,
+    })
+}
+
+/// The embedded SQLite store beside PostgreSQL, same workloads in one run: what a small
+/// install gives up by not running a database server.
+pub async fn embedded(quick: bool) -> anyhow::Result<String> {
+    let jobs = if quick { 5_000 } else { 20_000 };
+    let singles = if quick { 4_000 } else { 20_000 };
+    let batched = if quick { 20_000 } else { 100_000 };
+    let mut t = Vec::new();
+    let mut e = Vec::new();
+    for kind in [Kind::Postgres, Kind::Sqlite] {
+        t.push(run_throughput(kind, jobs, 0).await?);
+        e.push(run_enqueue(kind, singles, batched).await?);
+    }
+    let (tp, ts, ep, es) = (&t[0], &t[1], &e[0], &e[1]);
+    let ratio = |s: f64, p: f64| {
+        if p > 0.0 {
+            format!("{:.2}", s / p)
+        } else {
+            "–".into()
+        }
+    };
+    let mut out = String::from(
+        "## embedded: the SQLite store beside PostgreSQL, one in-process dispatcher\n\n| figure | PostgreSQL | embedded SQLite | SQLite / PostgreSQL |\n|---|---|---|---|\n",
+    );
+    let mut row = |name: &str, p: f64, s: f64, digits: usize| {
+        let _ = writeln!(
+            out,
+            "| {name} | {p:.digits$} | {s:.digits$} | {} |",
+            ratio(s, p)
+        );
+    };
+    row(
+        &format!("end to end, {jobs} jobs over 100 destinations, jobs/s"),
+        tp.jobs_per_s,
+        ts.jobs_per_s,
+        0,
+    );
+    row(
+        "Sluice + PostgreSQL CPU s / 1k jobs",
+        tp.sluice_cpu_per_1k + tp.pg_cpu_per_1k,
+        ts.sluice_cpu_per_1k + ts.pg_cpu_per_1k,
+        3,
+    );
+    row(
+        "paced 50/s destination alongside: min gap at the sink, ms",
+        tp.paced_min_gap_ms,
+        ts.paced_min_gap_ms,
+        2,
+    );
+    row(
+        "paced 50/s destination alongside: most in any 100 ms",
+        tp.paced_max_100ms as f64,
+        ts.paced_max_100ms as f64,
+        0,
+    );
+    row(
+        &format!("HTTP single enqueue, 16 clients ({singles} jobs), req/s"),
+        ep.single_rate,
+        es.single_rate,
+        0,
+    );
+    row(
+        "HTTP single enqueue p99, ms",
+        ep.single_p99_ms,
+        es.single_p99_ms,
+        2,
+    );
+    row(
+        &format!("HTTP batch of 1,000, 2 clients ({batched} jobs), jobs/s"),
+        ep.batch_rate,
+        es.batch_rate,
+        0,
+    );
+    row(
+        "library `Store::enqueue`, batches of 1,000, 2 tasks, jobs/s",
+        ep.library_rate,
+        es.library_rate,
+        0,
+    );
+    out.push_str("\nNo target: the embedded store is for one process and small installs. The paced rows must hold on both (≥ 19 ms at the sink, ≤ 6 per 100 ms).\n");
+    Ok(out)
 }
 
 /// Enqueue (HTTP) → release on an idle destination.
@@ -602,7 +720,7 @@ pub async fn many_destinations(quick: bool) -> anyhow::Result<String> {
                FROM generate_series(1, $1) g",
         )
         .bind(n as i64)
-        .execute(db.pool())
+        .execute(db.pool()?)
         .await?;
         sqlx::query(
             "INSERT INTO sluice_jobs (id, destination_id, state, method, url, max_attempts, run_at_us)
@@ -610,10 +728,10 @@ pub async fn many_destinations(quick: bool) -> anyhow::Result<String> {
                FROM sluice_destinations d, generate_series(1, 2)",
         )
         .bind(sink.url("/m"))
-        .execute(db.pool())
+        .execute(db.pool()?)
         .await?;
         sqlx::query("UPDATE sluice_destinations SET backlog = 2, due_at_us = sluice_now_us()")
-            .execute(db.pool())
+            .execute(db.pool()?)
             .await?;
         let mut p = InProcess::start(&db.store, &config(&db), 1);
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -685,7 +803,7 @@ pub async fn soak(quick: bool) -> anyhow::Result<String> {
     let maint_task = tokio::spawn(maint.run(maint_token.clone()));
     let mut out = format!("## soak: {total} jobs through one database, pruning on (retention 0 h)\n\n| jobs done | jobs/s in this tenth | sluice_jobs total size MB | live rows | dead rows | vacuums so far |\n|---|---|---|---|---|---|\n");
     let producer_store = db.store.clone();
-    let producer_pool = db.pool().clone();
+    let producer_pool = db.pool()?.clone();
     let url = sink.url("/s");
     let producer = tokio::spawn(async move {
         let jobs: Vec<_> = (0..1_000).map(|i| small_job(&url, i)).collect();
@@ -716,16 +834,16 @@ pub async fn soak(quick: bool) -> anyhow::Result<String> {
         let rate = chunk as f64 / last.elapsed().as_secs_f64();
         last = Instant::now();
         let size: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('sluice_jobs')")
-            .fetch_one(db.pool())
+            .fetch_one(db.pool()?)
             .await?;
         sqlx::query("SELECT pg_stat_clear_snapshot()")
-            .execute(db.pool())
+            .execute(db.pool()?)
             .await?;
         let (live, dead, vacuums): (i64, i64, i64) = sqlx::query_as(
             "SELECT n_live_tup, n_dead_tup, vacuum_count + autovacuum_count FROM pg_stat_user_tables
               WHERE relname = 'sluice_jobs'",
         )
-        .fetch_one(db.pool())
+        .fetch_one(db.pool()?)
         .await?;
         let _ = writeln!(
             out,

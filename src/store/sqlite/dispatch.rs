@@ -1,6 +1,7 @@
 //! Claim and completion on the embedded store: the same plan as PostgreSQL's
-//! (`plan.rs`), row by row on the single writer connection.
+//! (`plan.rs`), in multi-row statements on the single writer connection.
 
+use sqlx::QueryBuilder;
 use uuid::Uuid;
 
 use super::{expire_job, now, refresh_due, Sqlite};
@@ -12,6 +13,11 @@ use crate::store::types::{
     Candidate, Claim, ClaimParams, ClaimedRow, Completion, DueDestination, Outcome,
 };
 use crate::store::{Notice, Result};
+
+/// Rows per multi-row statement: every statement is a round trip to the connection's
+/// thread, so claims and completions go in batches, not row by row. At most 10
+/// parameters a row keeps a statement well under SQLite's 32,766.
+const BATCH: usize = 1_000;
 
 impl Sqlite {
     pub(crate) async fn claim(&self, p: &ClaimParams) -> Result<Claim> {
@@ -56,23 +62,31 @@ impl Sqlite {
         }
         let plan = planner.assign(dests, candidates);
         let mut rows: Vec<ClaimedRow> = Vec::new();
-        for (id, slot, lease) in plan.leases(p) {
-            let row: ClaimedRow = sqlx::query_as(
-                "UPDATE sluice_jobs
-                    SET state = 'running', slot_us = ?2, lease_until_us = ?3, worker_id = ?4,
-                        attempts = attempts + 1, updated_at_us = ?5
-                  WHERE id = ?1
-              RETURNING id, method, url, headers, body, attempts, max_attempts, throttles,
-                        deadline_us",
-            )
-            .bind(id)
-            .bind(slot)
-            .bind(lease)
-            .bind(p.worker_id)
-            .bind(db_now)
-            .fetch_one(&mut *tx)
-            .await?;
-            rows.push(row);
+        for chunk in plan.leases(p).chunks(BATCH) {
+            let mut update =
+                QueryBuilder::<sqlx::Sqlite>::new("WITH v(id, slot_us, lease_until_us) AS (");
+            update.push_values(chunk, |mut row, &(id, slot, lease)| {
+                row.push_bind(id).push_bind(slot).push_bind(lease);
+            });
+            update.push(
+                ") UPDATE sluice_jobs
+                     SET state = 'running', slot_us = v.slot_us, lease_until_us = v.lease_until_us,
+                         attempts = attempts + 1, worker_id = ",
+            );
+            update.push_bind(p.worker_id);
+            update.push(", updated_at_us = ");
+            update.push_bind(db_now);
+            update.push(
+                " FROM v WHERE sluice_jobs.id = v.id
+                  RETURNING sluice_jobs.id, method, url, headers, body, attempts, max_attempts,
+                            throttles, deadline_us",
+            );
+            rows.extend(
+                update
+                    .build_query_as::<ClaimedRow>()
+                    .fetch_all(&mut *tx)
+                    .await?,
+            );
         }
         for id in &plan.expired {
             expire_job(&mut tx, *id, db_now).await?;
@@ -110,43 +124,64 @@ impl Sqlite {
         let at = now();
         let mut tx = self.pool.begin().await?;
         let mut changed: Vec<(Uuid, String)> = Vec::with_capacity(done.len());
-        for c in done {
-            let u = job_update(&c.outcome);
-            let state: Option<String> = sqlx::query_scalar(
-                "UPDATE sluice_jobs
-                    SET state = ?2,
-                        attempts = attempts + ?3,
-                        throttles = throttles + ?4,
-                        run_at_us = CASE WHEN ?5 IS NULL THEN run_at_us ELSE ?6 + ?5 END,
-                        slot_us = CASE WHEN ?7 THEN slot_us ELSE NULL END,
-                        last_status = CASE WHEN ?7 THEN ?8 ELSE last_status END,
-                        last_error = CASE WHEN ?7 THEN ?9 ELSE last_error END,
-                        response_snippet = CASE WHEN ?7 THEN ?10 ELSE response_snippet END,
-                        last_retry_after_ms = coalesce(?11, last_retry_after_ms),
-                        lease_until_us = NULL,
-                        worker_id = NULL,
-                        updated_at_us = ?6,
-                        finished_at_us = CASE WHEN ?2 IN ('queued', 'running') THEN NULL ELSE ?6 END
-                  WHERE id = ?1 AND state = 'running' AND worker_id = ?12
-              RETURNING state",
-            )
-            .bind(c.job.id)
-            .bind(u.state.as_str())
-            .bind(u.attempt_delta)
-            .bind(u.throttle_delta)
-            .bind(u.delay_us)
-            .bind(at)
-            .bind(u.touched)
-            .bind(u.status)
-            .bind(u.error)
-            .bind(u.snippet)
-            .bind(u.retry_after_ms)
-            .bind(worker_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-            if let Some(state) = state {
-                changed.push((c.job.id, state));
-            }
+        for chunk in done.chunks(BATCH) {
+            let mut update = QueryBuilder::<sqlx::Sqlite>::new(
+                "WITH v(id, state, attempt_delta, throttle_delta, delay_us, touched, status,
+                        error, snippet, retry_after_ms) AS (",
+            );
+            update.push_values(chunk, |mut row, c| {
+                let u = job_update(&c.outcome);
+                row.push_bind(c.job.id)
+                    .push_bind(u.state.as_str())
+                    .push_bind(u.attempt_delta)
+                    .push_bind(u.throttle_delta)
+                    .push_bind(u.delay_us)
+                    .push_bind(u.touched)
+                    .push_bind(u.status)
+                    .push_bind(u.error)
+                    .push_bind(u.snippet)
+                    .push_bind(u.retry_after_ms);
+            });
+            update.push(
+                ") UPDATE sluice_jobs
+                     SET state = v.state,
+                         attempts = attempts + v.attempt_delta,
+                         throttles = throttles + v.throttle_delta,
+                         run_at_us = CASE WHEN v.delay_us IS NULL THEN run_at_us
+                                          ELSE v.delay_us + ",
+            );
+            update.push_bind(at);
+            update.push(
+                " END,
+                         slot_us = CASE WHEN v.touched THEN slot_us ELSE NULL END,
+                         last_status = CASE WHEN v.touched THEN v.status ELSE last_status END,
+                         last_error = CASE WHEN v.touched THEN v.error ELSE last_error END,
+                         response_snippet = CASE WHEN v.touched THEN v.snippet
+                                                 ELSE response_snippet END,
+                         last_retry_after_ms = coalesce(v.retry_after_ms, last_retry_after_ms),
+                         lease_until_us = NULL,
+                         worker_id = NULL,
+                         updated_at_us = ",
+            );
+            update.push_bind(at);
+            update.push(
+                ", finished_at_us = CASE WHEN v.state IN ('queued', 'running') THEN NULL ELSE ",
+            );
+            update.push_bind(at);
+            update.push(
+                " END
+                    FROM v
+                   WHERE sluice_jobs.id = v.id AND sluice_jobs.state = 'running'
+                     AND sluice_jobs.worker_id = ",
+            );
+            update.push_bind(worker_id);
+            update.push(" RETURNING sluice_jobs.id, sluice_jobs.state");
+            changed.extend(
+                update
+                    .build_query_as::<(Uuid, String)>()
+                    .fetch_all(&mut *tx)
+                    .await?,
+            );
         }
         let mut notices = Vec::new();
         for (dest, d) in destination_deltas(done, &changed) {

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use sqlx::types::Json;
+use sqlx::QueryBuilder;
 use uuid::Uuid;
 
 use super::{now, refresh_due, Sqlite};
@@ -14,6 +15,9 @@ use crate::store::plan::{
 };
 use crate::store::types::{Admission, Admitted, EnqueueError};
 use crate::store::{Error, Notice};
+
+/// Rows per INSERT: 13 parameters each stays well under SQLite's 32,766 per statement.
+const INSERT_CHUNK: usize = 1_000;
 
 type DestinationRow = (i64, i64, i64, i64, i64, i32, i32, String, Option<i64>);
 
@@ -98,26 +102,30 @@ impl Sqlite {
             .await?;
         }
         if !fresh.is_empty() {
-            for (job_id, job) in &fresh {
-                sqlx::query(
+            // One multi-row INSERT per chunk: every statement is a round trip to the
+            // connection's thread, which per row would cost more than SQLite's own work.
+            for chunk in fresh.chunks(INSERT_CHUNK) {
+                let mut insert = QueryBuilder::<sqlx::Sqlite>::new(
                     "INSERT INTO sluice_jobs
                          (id, destination_id, state, method, url, headers, body, idempotency_key,
-                          max_attempts, run_at_us, deadline_us, created_at_us, updated_at_us)
-                     VALUES (?1, ?2, 'queued', ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11)",
-                )
-                .bind(job_id)
-                .bind(id)
-                .bind(&job.method)
-                .bind(&job.url)
-                .bind(Json(&job.headers))
-                .bind(job.body.as_deref())
-                .bind(job.idempotency_key.as_deref())
-                .bind(job.max_attempts.unwrap_or(max_attempts))
-                .bind(run_at(job, at))
-                .bind(job.deadline_us)
-                .bind(at)
-                .execute(&mut *tx)
-                .await?;
+                          max_attempts, run_at_us, deadline_us, created_at_us, updated_at_us) ",
+                );
+                insert.push_values(chunk, |mut row, (job_id, job)| {
+                    row.push_bind(*job_id)
+                        .push_bind(id)
+                        .push_bind("queued")
+                        .push_bind(&job.method)
+                        .push_bind(&job.url)
+                        .push_bind(Json(&job.headers))
+                        .push_bind(job.body.as_deref())
+                        .push_bind(job.idempotency_key.as_deref())
+                        .push_bind(job.max_attempts.unwrap_or(max_attempts))
+                        .push_bind(run_at(job, at))
+                        .push_bind(job.deadline_us)
+                        .push_bind(at)
+                        .push_bind(at);
+                });
+                insert.build().execute(&mut *tx).await?;
             }
             sqlx::query("UPDATE sluice_destinations SET backlog = backlog + ?2 WHERE id = ?1")
                 .bind(id)
