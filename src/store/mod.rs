@@ -15,7 +15,7 @@
 //! | `plan.rs` | pure decisions shared by the backends |
 //! | `pg/destinations.rs`, `sqlite/destinations.rs` | upsert, pause, list, live figures |
 //! | `pg/enqueue.rs`, `sqlite/enqueue.rs` | atomic admission against capacity, idempotency |
-//! | `pg/group.rs` | group commit: concurrent single enqueues share a transaction |
+//! | `group.rs` | group commit: concurrent single enqueues share a transaction |
 //! | `pg/jobs.rs`, `sqlite/jobs.rs` | job lookups, cancel |
 //! | `pg/dispatch.rs`, `sqlite/dispatch.rs` | claim with slots, completion, returning claims |
 //! | `pg/maintenance.rs`, `sqlite/maintenance.rs` | leases, rescue, expiry, retention, requeue |
@@ -33,13 +33,14 @@ use crate::destination::{DestinationName, DestinationSpec, FieldError};
 use crate::job::{Job, JobState, NewJob};
 use crate::rate::Micros;
 
+mod group;
 mod pg;
 mod plan;
 mod sqlite;
 mod types;
 
+pub use group::Enqueuer;
 pub use pg::enqueue::enqueue_in;
-pub use pg::group::Enqueuer;
 pub use pg::MAINTENANCE_LOCK_KEY;
 pub use types::{
     Admission, Admitted, Claim, ClaimParams, ClaimedJob, Completion, DestinationStatus,
@@ -394,6 +395,15 @@ impl Store {
     /// Puts a dead job back in line with fresh attempts, subject to capacity.
     pub async fn retry_dead_job(&self, id: Uuid) -> Result<Job, EnqueueError> {
         backend!(self, b => b.retry_dead_job(id).await)
+    }
+
+    /// Admits a group of single enqueues (by destination) in one commit, each job on its
+    /// own; see [`Enqueuer`].
+    pub(crate) async fn admit_group(
+        &self,
+        group: &group::Group,
+    ) -> Result<group::GroupResults, EnqueueError> {
+        backend!(self, b => b.admit_group(group).await)
     }
 
     /// Jobs per state.

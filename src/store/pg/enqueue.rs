@@ -13,6 +13,7 @@ use super::destinations::notify_wake;
 use super::Pg;
 use crate::destination::FieldError;
 use crate::job::{JobState, NewJob};
+use crate::store::group::{Group, GroupResults};
 use crate::store::plan::{
     check_url, decide_admission, field_name, run_at, AdmissionDecision, AdmissionDest,
 };
@@ -48,6 +49,34 @@ impl Pg {
             Err(_) => tx.rollback().await?,
         }
         result
+    }
+
+    /// Admits a group of single enqueues in one transaction, each job on its own: the
+    /// destinations are locked in id order first (like every multi-destination statement,
+    /// so groups cannot deadlock), then admitted one after another.
+    pub(crate) async fn admit_group(&self, group: &Group) -> Result<GroupResults, EnqueueError> {
+        let mut tx = self.pool.begin().await?;
+        let names: Vec<&str> = group.keys().map(String::as_str).collect();
+        sqlx::query(
+            "SELECT 1 FROM sluice_destinations WHERE name = ANY($1) ORDER BY id FOR UPDATE",
+        )
+        .bind(&names)
+        .execute(&mut *tx)
+        .await?;
+        let mut results = Vec::with_capacity(group.len());
+        for (name, jobs) in group {
+            match admit(&mut tx, name, jobs, Admission::EachJob).await {
+                Ok(r) => results.push(r),
+                Err(EnqueueError::Store(Error::UnknownDestination(n))) => results.push(
+                    jobs.iter()
+                        .map(|_| Err(Error::UnknownDestination(n.clone()).into()))
+                        .collect(),
+                ),
+                Err(e) => return Err(e),
+            }
+        }
+        tx.commit().await?;
+        Ok(results)
     }
 }
 

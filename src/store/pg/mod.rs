@@ -14,7 +14,6 @@ use crate::rate::Micros;
 pub(super) mod destinations;
 pub(super) mod dispatch;
 pub(super) mod enqueue;
-pub(super) mod group;
 pub(super) mod jobs;
 pub(super) mod maintenance;
 
