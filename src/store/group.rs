@@ -2,18 +2,20 @@
 //!
 //! One enqueue costs a handful of round trips and a commit (an fsync) while it holds the
 //! destination's row lock, so concurrent producers of one destination would otherwise
-//! queue behind each other. The [`Enqueuer`] hands requests to a few workers; each takes
-//! every request waiting when it becomes free, locks the destinations involved (in id
-//! order, like every other multi-destination statement, so it cannot deadlock), admits
-//! each job on its own (`Admission::EachJob`), commits once, and only then answers. A
-//! request that arrives while the workers are idle is committed at once, alone: grouping
-//! adds no latency, it only appears under load. On the embedded store one worker does
-//! this, and the commit it saves is SQLite's fsync.
+//! queue behind each other. The [`Enqueuer`] hands each request to one of a few workers,
+//! chosen by its destination, so one destination's requests always meet in the same
+//! worker and two workers never wait for each other's row locks. A worker takes every
+//! request waiting when it becomes free, locks the destinations involved (in id order,
+//! like every other multi-destination statement, so it cannot deadlock), admits each job
+//! on its own (`Admission::EachJob`), commits once, and only then answers. A request that
+//! arrives while its worker is idle is committed at once, alone: grouping adds no latency,
+//! it only appears under load. On the embedded store one worker does this, and the commit
+//! it saves is SQLite's fsync.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::hash::{DefaultHasher, Hash, Hasher};
 
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{mpsc, oneshot};
 
 use super::types::{Admitted, EnqueueError};
 use super::{Error, Store};
@@ -36,7 +38,8 @@ struct Request {
 /// Single enqueues, grouped into shared commits. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Enqueuer {
-    tx: mpsc::Sender<Request>,
+    /// One queue per worker; a destination always maps to the same one.
+    shards: Vec<mpsc::Sender<Request>>,
 }
 
 impl std::fmt::Debug for Request {
@@ -60,12 +63,14 @@ impl Enqueuer {
         } else {
             workers.max(1)
         };
-        let (tx, rx) = mpsc::channel::<Request>(MAX_GROUP * 4);
-        let rx = Arc::new(Mutex::new(rx));
-        for _ in 0..workers {
-            tokio::spawn(work(store.clone(), rx.clone()));
-        }
-        Enqueuer { tx }
+        let shards = (0..workers)
+            .map(|_| {
+                let (tx, rx) = mpsc::channel::<Request>(MAX_GROUP * 4);
+                tokio::spawn(work(store.clone(), rx));
+                tx
+            })
+            .collect();
+        Enqueuer { shards }
     }
 
     /// Admits one job, sharing a commit with whatever else is being enqueued.
@@ -76,7 +81,10 @@ impl Enqueuer {
             job,
             reply,
         };
-        if self.tx.send(request).await.is_err() {
+        let mut hash = DefaultHasher::new();
+        destination.hash(&mut hash);
+        let shard = &self.shards[(hash.finish() % self.shards.len() as u64) as usize];
+        if shard.send(request).await.is_err() {
             return Err(Error::Database(sqlx::Error::PoolClosed).into());
         }
         answer
@@ -85,23 +93,10 @@ impl Enqueuer {
     }
 }
 
-async fn work(store: Store, rx: Arc<Mutex<mpsc::Receiver<Request>>>) {
-    loop {
-        let mut group = Vec::with_capacity(MAX_GROUP);
-        {
-            let mut rx = rx.lock().await;
-            match rx.recv().await {
-                Some(r) => group.push(r),
-                None => return,
-            }
-            while group.len() < MAX_GROUP {
-                match rx.try_recv() {
-                    Ok(r) => group.push(r),
-                    Err(_) => break,
-                }
-            }
-        }
-        commit_group(&store, group).await;
+async fn work(store: Store, mut rx: mpsc::Receiver<Request>) {
+    let mut group = Vec::with_capacity(MAX_GROUP);
+    while rx.recv_many(&mut group, MAX_GROUP).await > 0 {
+        commit_group(&store, std::mem::take(&mut group)).await;
     }
 }
 

@@ -453,6 +453,9 @@ struct EnqueueFigures {
     single_rate: f64,
     single_p50_ms: f64,
     single_p99_ms: f64,
+    spread_rate: f64,
+    spread_p50_ms: f64,
+    spread_p99_ms: f64,
     batch_rate: f64,
     library_rate: f64,
 }
@@ -465,55 +468,73 @@ pub async fn enqueue(quick: bool) -> anyhow::Result<String> {
         single_rate,
         single_p50_ms: p50,
         single_p99_ms: p99,
+        spread_rate,
+        spread_p50_ms,
+        spread_p99_ms,
         batch_rate,
         library_rate: lib_rate,
     } = run_enqueue(Kind::Postgres, singles, batched).await?;
     Ok(format!(
-        "## enqueue\n\n| path | jobs/s | p50 ms | p99 ms |\n|---|---|---|---|\n| HTTP single, 16 clients ({singles} jobs) | {single_rate:.0} | {p50:.2} | {p99:.2} |\n| HTTP batch of 1,000, 2 clients ({batched} jobs) | {batch_rate:.0} | | |\n| library `Store::enqueue`, batches of 1,000, 2 tasks | {lib_rate:.0} | | |\n\nTarget: ≥ 5,000 req/s single with p99 < 20 ms; ≥ 100,000 jobs/s batch.\n"
+        "## enqueue\n\n| path | jobs/s | p50 ms | p99 ms |\n|---|---|---|---|\n| HTTP single, 16 clients, one destination ({singles} jobs) | {single_rate:.0} | {p50:.2} | {p99:.2} |\n| HTTP single, 16 clients, a destination each ({singles} jobs) | {spread_rate:.0} | {spread_p50_ms:.2} | {spread_p99_ms:.2} |\n| HTTP batch of 1,000, 2 clients ({batched} jobs) | {batch_rate:.0} | | |\n| library `Store::enqueue`, batches of 1,000, 2 tasks | {lib_rate:.0} | | |\n\nTarget: ≥ 5,000 req/s single with p99 < 20 ms; ≥ 100,000 jobs/s batch.\n"
     ))
 }
 
 async fn run_enqueue(kind: Kind, singles: usize, batched: usize) -> anyhow::Result<EnqueueFigures> {
     let db = BenchDb::create_on(kind, 32).await?;
-    db.destination(
-        "e",
-        serde_json::json!({"rate": "1/s", "capacity": 10_000_000, "paused": true}),
-    )
-    .await?;
+    for name in std::iter::once("e".to_owned()).chain((0..16).map(|i| format!("e{i}"))) {
+        db.destination(
+            &name,
+            serde_json::json!({"rate": "1/s", "capacity": 10_000_000, "paused": true}),
+        )
+        .await?;
+    }
     let (base, token, task) = start_api(&db).await?;
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(64)
         .build()?;
     let body = serde_json::json!({"url": "http://127.0.0.1:9/hook", "json": {"event": "bench"}});
 
-    // Single enqueues, 16 clients.
-    let per_client = singles / 16;
-    let t0 = Instant::now();
-    let mut clients = Vec::new();
-    for _ in 0..16 {
-        let (http, url, body) = (
-            http.clone(),
-            format!("{base}/v1/destinations/e/jobs"),
-            body.clone(),
-        );
-        clients.push(tokio::spawn(async move {
-            let mut lat = Vec::with_capacity(per_client);
-            for _ in 0..per_client {
-                let s = Instant::now();
-                let r = http.post(&url).json(&body).send().await?;
-                anyhow::ensure!(r.status().as_u16() == 202, "status {}", r.status());
-                lat.push(s.elapsed().as_secs_f64() * 1e3);
+    // Single enqueues, 16 clients: all to one destination, then one destination each.
+    let singles_to = |spread: bool| {
+        let (http, base, body) = (http.clone(), base.clone(), body.clone());
+        async move {
+            let per_client = singles / 16;
+            let t0 = Instant::now();
+            let mut clients = Vec::new();
+            for i in 0..16 {
+                let dest = if spread {
+                    format!("e{i}")
+                } else {
+                    "e".to_owned()
+                };
+                let (http, url, body) = (
+                    http.clone(),
+                    format!("{base}/v1/destinations/{dest}/jobs"),
+                    body.clone(),
+                );
+                clients.push(tokio::spawn(async move {
+                    let mut lat = Vec::with_capacity(per_client);
+                    for _ in 0..per_client {
+                        let s = Instant::now();
+                        let r = http.post(&url).json(&body).send().await?;
+                        anyhow::ensure!(r.status().as_u16() == 202, "status {}", r.status());
+                        lat.push(s.elapsed().as_secs_f64() * 1e3);
+                    }
+                    Ok::<_, anyhow::Error>(lat)
+                }));
             }
-            Ok::<_, anyhow::Error>(lat)
-        }));
-    }
-    let mut lat = Vec::new();
-    for c in clients {
-        lat.extend(c.await??);
-    }
-    let single_rate = lat.len() as f64 / t0.elapsed().as_secs_f64();
-    let p50 = percentile(&mut lat, 0.5);
-    let p99 = percentile(&mut lat, 0.99);
+            let mut lat = Vec::new();
+            for c in clients {
+                lat.extend(c.await??);
+            }
+            let rate = lat.len() as f64 / t0.elapsed().as_secs_f64();
+            let p50 = percentile(&mut lat, 0.5);
+            let p99 = percentile(&mut lat, 0.99);
+            Ok::<_, anyhow::Error>((rate, p50, p99))
+        }
+    };
+    let (single_rate, p50, p99) = singles_to(false).await?;
+    let (spread_rate, spread_p50, spread_p99) = singles_to(true).await?;
 
     // Batch endpoint, 1,000 jobs per request, 2 clients.
     let batch: Vec<serde_json::Value> = (0..1_000).map(|_| body.clone()).collect();
@@ -571,6 +592,9 @@ async fn run_enqueue(kind: Kind, singles: usize, batched: usize) -> anyhow::Resu
         single_rate,
         single_p50_ms: p50,
         single_p99_ms: p99,
+        spread_rate,
+        spread_p50_ms: spread_p50,
+        spread_p99_ms: spread_p99,
         batch_rate,
         library_rate,
     })
@@ -631,7 +655,7 @@ pub async fn embedded(quick: bool) -> anyhow::Result<String> {
         0,
     );
     row(
-        &format!("HTTP single enqueue, 16 clients ({singles} jobs), req/s"),
+        &format!("HTTP single enqueue, 16 clients to one destination ({singles} jobs), req/s"),
         ep.single_rate,
         es.single_rate,
         0,
@@ -641,6 +665,12 @@ pub async fn embedded(quick: bool) -> anyhow::Result<String> {
         ep.single_p99_ms,
         es.single_p99_ms,
         2,
+    );
+    row(
+        "HTTP single enqueue, 16 clients to 16 destinations, req/s",
+        ep.spread_rate,
+        es.spread_rate,
+        0,
     );
     row(
         &format!("HTTP batch of 1,000, 2 clients ({batched} jobs), jobs/s"),
