@@ -96,7 +96,12 @@ impl Error {
                     | sqlx::Error::WorkerCrashed
             )
         ) || matches!(self, Error::Database(sqlx::Error::Database(e))
-            if e.code().is_some_and(|c| c.starts_with("57P") || c.starts_with("08")))
+        if e.code().is_some_and(|c| {
+            // PostgreSQL: shutting down or connection trouble. SQLite: another process
+            // held the file's write lock longer than the busy timeout (SQLITE_BUSY
+            // and its extended codes).
+            c.starts_with("57P") || c.starts_with("08") || matches!(&*c, "5" | "261" | "517" | "773")
+        }))
     }
 }
 

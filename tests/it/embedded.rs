@@ -106,6 +106,83 @@ async fn serve_without_configuration_uses_the_embedded_store() {
     assert!(status.success());
 }
 
+/// The CLI writes to the file while the server admits and dispatches: neither side fails
+/// with "database is locked", and every accepted job is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_and_server_write_the_same_file_at_once() {
+    let dir = Dir::new();
+    let sink = Sink::ok().await;
+    let mut serve = Proc::spawn_in(&["serve"], None, &dir.0, &[]).await;
+    let base = format!("http://{}", serve.addr.expect("address"));
+    put(&base, "w", json!({"rate": "1000/s", "capacity": 100_000})).await;
+    let target = sink.url("/w");
+
+    let http = reqwest::Client::new();
+    let producers: Vec<_> = (0..4)
+        .map(|p| {
+            let (http, base, target) = (http.clone(), base.clone(), target.clone());
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                for i in 0..100 {
+                    let r = http
+                        .post(format!("{base}/v1/destinations/w/jobs"))
+                        .json(&json!({"url": target, "json": {"p": p, "i": i}}))
+                        .send()
+                        .await
+                        .expect("enqueue");
+                    statuses.push(r.status().as_u16());
+                }
+                statuses
+            })
+        })
+        .collect();
+    for i in 0..15 {
+        let (code, _, err) = crate::harness::cli(
+            &["enqueue", "w", "--url", &target, "-d", &format!("cli {i}")],
+            &dir.url(),
+        )
+        .await;
+        assert_eq!(code, 0, "CLI enqueue while serving: {err}");
+        let (code, _, err) = crate::harness::cli(
+            &[
+                "destination",
+                "set",
+                &format!("c{i}"),
+                "--rate",
+                "5/s",
+                "--capacity",
+                "10",
+            ],
+            &dir.url(),
+        )
+        .await;
+        assert_eq!(code, 0, "CLI destination set while serving: {err}");
+    }
+    for p in producers {
+        let statuses = p.await.expect("producer");
+        assert!(statuses.iter().all(|s| *s == 202), "{statuses:?}");
+    }
+    let got = sink.wait_for("/w", 415, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 415);
+    let store = Store::connect(&dir.url(), &StoreOptions::default())
+        .await
+        .expect("open");
+    wait_idle(&store, Duration::from_secs(10)).await;
+    assert_eq!(count_state(&store, "succeeded").await, 415);
+    check_counters(&store).await;
+    assert!(
+        !serve.log_text().contains("database is locked"),
+        "{}",
+        serve.log_text()
+    );
+    serve.signal("TERM");
+    let status = tokio::time::timeout(Duration::from_secs(10), serve.child.wait())
+        .await
+        .expect("exits")
+        .expect("wait");
+    assert!(status.success());
+}
+
 /// kill -9 mid-run, then restart: every job reaches the sink, only jobs in flight at the
 /// kill twice; then SIGTERM and restart lose nothing either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,7 +30,7 @@ impl Sqlite {
         let at = now();
         let urls = serde_json::to_string(&spec.allowed_base_urls)
             .map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))?;
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let id: i64 = sqlx::query_scalar(
             "INSERT INTO sluice_destinations
                  (name, rate, interval_us, burst, capacity, max_in_flight, allowed_base_urls,

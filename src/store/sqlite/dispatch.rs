@@ -22,7 +22,7 @@ const BATCH: usize = 1_000;
 impl Sqlite {
     pub(crate) async fn claim(&self, p: &ClaimParams) -> Result<Claim> {
         let db_now = now();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let dests: Vec<DueDestination> = sqlx::query_as(
             "SELECT id, name, next_slot_us, effective_interval_us AS interval_us, burst,
                     max_in_flight, in_flight, timeout_ms, backoff_base_ms, backoff_cap_ms,
@@ -122,7 +122,7 @@ impl Sqlite {
 
     pub(crate) async fn complete(&self, worker_id: Uuid, done: &[Completion]) -> Result<()> {
         let at = now();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let mut changed: Vec<(Uuid, String)> = Vec::with_capacity(done.len());
         for chunk in done.chunks(BATCH) {
             let mut update = QueryBuilder::<sqlx::Sqlite>::new(

@@ -31,7 +31,7 @@ impl Sqlite {
         name: &str,
         jobs: &[NewJob],
     ) -> Result<Vec<Admitted>, EnqueueError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let (results, wake) = admit(&mut tx, name, jobs, Admission::AllOrNothing, now()).await?;
         // A rejection still commits: it counted the rejection and wrote nothing else.
         tx.commit().await?;
@@ -46,7 +46,7 @@ impl Sqlite {
     /// do on PostgreSQL.
     pub(crate) async fn admit_group(&self, group: &Group) -> Result<GroupResults, EnqueueError> {
         let at = now();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let mut results = Vec::with_capacity(group.len());
         let mut wake = false;
         for (name, jobs) in group {

@@ -44,7 +44,7 @@ impl Sqlite {
 
     pub(crate) async fn cancel_job(&self, id: Uuid) -> Result<Job> {
         let at = now();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let dest: Option<i64> = sqlx::query_scalar(
             "UPDATE sluice_jobs SET state = 'cancelled', finished_at_us = ?2, updated_at_us = ?2
               WHERE id = ?1 AND state = 'queued'

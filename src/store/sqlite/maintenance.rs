@@ -27,7 +27,7 @@ impl Sqlite {
 
     pub(crate) async fn rescue_expired_leases(&self, limit: i64) -> Result<u64> {
         let at = now();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let lost: Vec<(Uuid, i64, i32, i32)> = sqlx::query_as(
             "SELECT id, destination_id, attempts, max_attempts FROM sluice_jobs
               WHERE state = 'running' AND lease_until_us < ?1
@@ -75,7 +75,7 @@ impl Sqlite {
 
     pub(crate) async fn expire_overdue(&self, limit: i64) -> Result<u64> {
         let at = now();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let overdue: Vec<(Uuid, i64)> = sqlx::query_as(
             "SELECT id, destination_id FROM sluice_jobs
               WHERE state = 'queued' AND deadline_us < ?1 ORDER BY deadline_us LIMIT ?2",
@@ -122,7 +122,7 @@ impl Sqlite {
 
     pub(crate) async fn retry_dead_job(&self, id: Uuid) -> Result<Job, EnqueueError> {
         let at = now();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let row: Option<RetryRow> = sqlx::query_as(
             "SELECT j.state, d.id, d.name, d.capacity, d.backlog, d.next_slot_us,
                     d.effective_interval_us, d.burst

@@ -4,8 +4,10 @@
 //!
 //! Every statement runs on a single pooled connection, so transactions are serialised
 //! in-process and never meet `SQLITE_BUSY` from each other. Other processes (the CLI) may
-//! open the file too; SQLite's own locking and the busy timeout keep them consistent, and
-//! a dispatcher picks their changes up within `dispatcher.poll_interval_ms`. A second
+//! open the file too: every transaction that writes starts with `BEGIN IMMEDIATE`, so it
+//! waits (up to the busy timeout) for another process's write to finish instead of failing
+//! when its read snapshot goes stale, and a dispatcher picks their changes up within
+//! `dispatcher.poll_interval_ms`. A second
 //! *dispatching* process is refused: its slots would not be coordinated.
 
 use std::fs::File;
@@ -53,6 +55,13 @@ pub(crate) fn now() -> Micros {
 }
 
 impl Sqlite {
+    /// Begins a transaction that will write. `BEGIN IMMEDIATE` takes the write lock up
+    /// front: a deferred transaction that reads first cannot upgrade once another process
+    /// has committed (`SQLITE_BUSY_SNAPSHOT`, which no busy timeout waits out).
+    pub(crate) async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
+        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    }
+
     pub(crate) fn open(url: &str, opts: &StoreOptions) -> Result<Self> {
         let connect = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
