@@ -96,13 +96,17 @@ impl Error {
                     | sqlx::Error::WorkerCrashed
             )
         ) || matches!(self, Error::Database(sqlx::Error::Database(e))
-        if e.code().is_some_and(|c| {
-            // PostgreSQL: shutting down or connection trouble. SQLite: another process
-            // held the file's write lock longer than the busy timeout (SQLITE_BUSY
-            // and its extended codes).
-            c.starts_with("57P") || c.starts_with("08") || matches!(&*c, "5" | "261" | "517" | "773")
-        }))
+            if e.code().is_some_and(|c| transient_code(&c)))
     }
+}
+
+/// Whether a database error code means "unavailable for now" rather than a bad request.
+fn transient_code(code: &str) -> bool {
+    // PostgreSQL (SQLSTATE): the server is shutting down, or connection trouble.
+    code.starts_with("57P") || code.starts_with("08")
+        // SQLite: another process held the file's write lock longer than the busy
+        // timeout (SQLITE_BUSY and its extended codes).
+        || matches!(code, "5" | "261" | "517" | "773")
 }
 
 /// Result alias for store operations.
@@ -424,5 +428,21 @@ impl Store {
     /// Empty when the store is consistent; tests assert it after every scenario.
     pub async fn audit(&self) -> Result<Vec<CounterAudit>> {
         backend!(self, b => b.audit().await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transient_code;
+
+    #[test]
+    fn transient_codes_of_both_stores() {
+        for code in ["57P01", "57P03", "08006", "08001", "5", "517", "773"] {
+            assert!(transient_code(code), "{code}");
+        }
+        // Constraint violations, syntax errors, SQLite's constraint and "no table".
+        for code in ["23505", "42601", "55000", "19", "2067", "1"] {
+            assert!(!transient_code(code), "{code}");
+        }
     }
 }

@@ -5,10 +5,8 @@
 use std::collections::HashMap;
 
 use sqlx::types::Json;
-use sqlx::QueryBuilder;
+use sqlx::{QueryBuilder, SqliteConnection};
 use uuid::Uuid;
-
-use sqlx::SqliteConnection;
 
 use super::{now, refresh_due, Sqlite};
 use crate::job::{JobState, NewJob};
