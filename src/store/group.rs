@@ -29,6 +29,17 @@ pub(crate) type Group = BTreeMap<String, Vec<NewJob>>;
 /// Per destination of a [`Group`], in its order: each job's own outcome.
 pub(crate) type GroupResults = Vec<Vec<Result<Admitted, EnqueueError>>>;
 
+/// The results for a group's jobs to a destination that does not exist: each request
+/// fails on its own, the rest of the group is still admitted.
+pub(crate) fn unknown_destination(
+    name: &str,
+    jobs: &[NewJob],
+) -> Vec<Result<Admitted, EnqueueError>> {
+    jobs.iter()
+        .map(|_| Err(Error::UnknownDestination(name.to_owned()).into()))
+        .collect()
+}
+
 struct Request {
     destination: String,
     job: NewJob,

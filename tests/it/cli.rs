@@ -219,14 +219,5 @@ async fn serve_end_to_end() {
         .await
         .expect("health");
     assert_eq!(health.status().as_u16(), 200);
-    proc.signal("TERM");
-    let status = tokio::time::timeout(std::time::Duration::from_secs(10), proc.child.wait())
-        .await
-        .expect("exits after SIGTERM")
-        .expect("wait");
-    assert!(
-        status.success(),
-        "exit {status:?}; log:\n{}",
-        proc.log_text()
-    );
+    proc.terminate(std::time::Duration::from_secs(10)).await;
 }

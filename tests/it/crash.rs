@@ -230,16 +230,7 @@ async fn sigterm_finishes_in_flight_and_hands_back_claims() {
         .expect("count");
     assert!(held >= 2, "the leaving worker holds claims: {held}");
     let t = Instant::now();
-    leaving.signal("TERM");
-    let status = tokio::time::timeout(Duration::from_secs(8), leaving.child.wait())
-        .await
-        .expect("exits within the grace period")
-        .expect("wait");
-    assert!(
-        status.success(),
-        "exit {status:?}; log:\n{}",
-        leaving.log_text()
-    );
+    leaving.terminate(Duration::from_secs(8)).await;
     eprintln!("worker exited {:?} after SIGTERM", t.elapsed());
     // 20 jobs at 5/s: about 4 s of schedule; lease expiry would add 30 s.
     app.wait_idle(Duration::from_secs(12)).await;

@@ -98,12 +98,7 @@ async fn serve_without_configuration_uses_the_embedded_store() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("20/s"), "{out}");
 
-    serve.signal("TERM");
-    let status = tokio::time::timeout(Duration::from_secs(10), serve.child.wait())
-        .await
-        .expect("exits")
-        .expect("wait");
-    assert!(status.success());
+    serve.terminate(Duration::from_secs(10)).await;
 }
 
 /// The CLI writes to the file while the server admits and dispatches: neither side fails
@@ -175,12 +170,7 @@ async fn cli_and_server_write_the_same_file_at_once() {
         "{}",
         serve.log_text()
     );
-    serve.signal("TERM");
-    let status = tokio::time::timeout(Duration::from_secs(10), serve.child.wait())
-        .await
-        .expect("exits")
-        .expect("wait");
-    assert!(status.success());
+    serve.terminate(Duration::from_secs(10)).await;
 }
 
 /// kill -9 mid-run, then restart: every job reaches the sink, only jobs in flight at the
@@ -214,12 +204,7 @@ async fn crash_and_restart_lose_nothing() {
     batch(&base, "c", &sink.url("/c"), 20).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     let mut second = second;
-    second.signal("TERM");
-    let status = tokio::time::timeout(Duration::from_secs(15), second.child.wait())
-        .await
-        .expect("exits")
-        .expect("wait");
-    assert!(status.success(), "{}", second.log_text());
+    second.terminate(Duration::from_secs(15)).await;
 
     let third = Proc::spawn(&["serve"], &url, &env).await;
     let store = Store::connect(&url, &StoreOptions::default())

@@ -683,6 +683,20 @@ impl Proc {
     }
 
     /// Sends a signal (e.g. "TERM", "KILL").
+    /// Sends SIGTERM and asserts the process exits cleanly within `within`.
+    pub async fn terminate(&mut self, within: Duration) {
+        self.signal("TERM");
+        let status = tokio::time::timeout(within, self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("no exit within {within:?} of SIGTERM"))
+            .expect("wait");
+        assert!(
+            status.success(),
+            "exit {status:?}; log:\n{}",
+            self.log_text()
+        );
+    }
+
     pub fn signal(&self, sig: &str) {
         let status = std::process::Command::new("kill")
             .arg(format!("-{sig}"))

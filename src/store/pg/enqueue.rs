@@ -13,7 +13,7 @@ use super::destinations::notify_wake;
 use super::Pg;
 use crate::destination::FieldError;
 use crate::job::{JobState, NewJob};
-use crate::store::group::{Group, GroupResults};
+use crate::store::group::{unknown_destination, Group, GroupResults};
 use crate::store::plan::{
     check_url, decide_admission, field_name, run_at, AdmissionDecision, AdmissionDest,
 };
@@ -67,11 +67,9 @@ impl Pg {
         for (name, jobs) in group {
             match admit(&mut tx, name, jobs, Admission::EachJob).await {
                 Ok(r) => results.push(r),
-                Err(EnqueueError::Store(Error::UnknownDestination(n))) => results.push(
-                    jobs.iter()
-                        .map(|_| Err(Error::UnknownDestination(n.clone()).into()))
-                        .collect(),
-                ),
+                Err(EnqueueError::Store(Error::UnknownDestination(n))) => {
+                    results.push(unknown_destination(&n, jobs))
+                }
                 Err(e) => return Err(e),
             }
         }

@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::{now, refresh_due, Sqlite};
 use crate::job::{JobState, NewJob};
-use crate::store::group::{Group, GroupResults};
+use crate::store::group::{unknown_destination, Group, GroupResults};
 use crate::store::plan::{
     check_url, decide_admission, field_name, run_at, AdmissionDecision, AdmissionDest,
 };
@@ -53,11 +53,9 @@ impl Sqlite {
                     results.push(r);
                     wake |= woke;
                 }
-                Err(EnqueueError::Store(Error::UnknownDestination(n))) => results.push(
-                    jobs.iter()
-                        .map(|_| Err(Error::UnknownDestination(n.clone()).into()))
-                        .collect(),
-                ),
+                Err(EnqueueError::Store(Error::UnknownDestination(n))) => {
+                    results.push(unknown_destination(&n, jobs))
+                }
                 Err(e) => return Err(e),
             }
         }
